@@ -1,0 +1,67 @@
+"""The KV cache: static buffers plus per-sequence lengths, and the attention masks over it.
+
+Shapes never change during generation, so one compiled step serves every step. A forward pass writes
+its T new keys/values at slots `lengths[b] + t` but does not move `lengths`: the caller commits what it
+keeps (one token in plain decoding, the accepted path of a tree after compaction). The mask says which
+slots each new token may read, which is how one forward serves a causal prompt and a token tree alike.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+# Logical axis names of the cache buffers, mapped to mesh axes by the sharding rule table.
+CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+
+
+@flax.struct.dataclass
+class KVCache:
+    k: jax.Array  # [L, B, S, K, H]
+    v: jax.Array  # [L, B, S, K, H]
+    lengths: jax.Array  # [B] int32: slots [0, lengths[b]) hold sequence b's committed tokens
+
+    @classmethod
+    def zeros(cls, num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
+              dtype=jnp.float32) -> "KVCache":
+        shape = (num_layers, batch, max_len, num_kv_heads, head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def write(self, layer: int, k_new: jax.Array, v_new: jax.Array) -> "KVCache":
+        """Write new keys/values [B, T, K, H] of one layer at slots lengths[b] .. lengths[b] + T - 1."""
+
+        def put(buf, new, start):  # buf [S, K, H], new [T, K, H]
+            return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), (start, 0, 0))
+
+        k = self.k.at[layer].set(jax.vmap(put)(self.k[layer], k_new, self.lengths))
+        v = self.v.at[layer].set(jax.vmap(put)(self.v[layer], v_new, self.lengths))
+        return self.replace(k=k, v=v)
+
+    def advance(self, n: jax.Array) -> "KVCache":
+        """Commit n[b] more tokens of sequence b (the ones just written at the head of its slots)."""
+        return self.replace(lengths=self.lengths + n.astype(jnp.int32))
+
+
+def causal_mask(lengths: jax.Array, num_new: int, max_len: int) -> jax.Array:
+    """[B, T, S] mask for T new tokens appended after `lengths[b]` committed ones: each reads every
+    committed slot and the new tokens up to itself."""
+    slot = jnp.arange(max_len)[None, None, :]
+    query = lengths[:, None, None] + jnp.arange(num_new)[None, :, None]
+    return slot <= query
+
+
+def tree_mask(lengths: jax.Array, ancestor_mask: jax.Array, max_len: int) -> jax.Array:
+    """[B, N, S] mask for a tree of N nodes written after `lengths[b]` committed tokens: each node reads
+    the committed prefix and its own ancestors (itself included), given by `ancestor_mask` [N, N]."""
+    n = ancestor_mask.shape[0]
+    slot = jnp.arange(max_len)
+    rel = slot[None, :] - lengths[:, None]  # [B, S]: position of each slot inside the tree
+    in_tree = (rel >= 0) & (rel < n)
+    anc = jnp.take(ancestor_mask, jnp.clip(rel, 0, n - 1), axis=1)  # [N, B, S]
+    anc = jnp.transpose(anc, (1, 0, 2))
+    return (rel < 0)[:, None, :] | (in_tree[:, None, :] & anc)

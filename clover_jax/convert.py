@@ -1,0 +1,176 @@
+"""Import from and export to Hugging Face checkpoints (config.json + *.safetensors).
+
+Our parameters carry HF's names, so the mapping is a renaming (`kernel` <-> `weight`, plus the
+`model.` prefix) and a transpose for linear kernels. Tensors are read one at a time from the
+memory-mapped safetensors files, and each lands straight on its device (or its shards, given a
+sharding), so a load never holds two full copies of the weights in host memory. Only safetensors are
+read: no pickle, and never `trust_remote_code`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from clover_jax.config import ModelConfig
+from clover_jax.errors import CloverError
+from clover_jax.model import Llama
+
+# HF keys that carry no weights we need (old checkpoints saved RoPE buffers).
+_SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
+_SHARD_BYTES = 4 << 30  # files larger than this are split, with an index, as HF does
+
+
+def hf_name(path: tuple) -> tuple[str, bool]:
+    """Our state path -> (HF tensor name, whether the tensor is stored transposed)."""
+    parts = [str(p) for p in path]
+    leaf = parts[-1]
+    transpose = leaf == "kernel"
+    parts[-1] = "weight" if leaf in ("kernel", "embedding") else leaf
+    name = ".".join(parts)
+    return (name if parts[0] == "lm_head" else "model." + name), transpose
+
+
+class _TensorFiles:
+    """Name -> (file, shape, dtype) over one or many safetensors files, opened lazily."""
+
+    def __init__(self, model_dir: Path):
+        index = model_dir / "model.safetensors.index.json"
+        single = model_dir / "model.safetensors"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, json.JSONDecodeError, KeyError) as e:
+                raise CloverError(f"{index}: not a valid safetensors index ({e})") from None
+            files = sorted(set(weight_map.values()))
+        elif single.is_file():
+            files = ["model.safetensors"]
+        else:
+            others = sorted(p.name for p in model_dir.glob("*.safetensors"))
+            if not others:
+                bins = [p.name for p in model_dir.glob("*.bin")] + [p.name for p in model_dir.glob("*.pt*")]
+                hint = " (only pickled weights found: convert them to safetensors first)" if bins else ""
+                raise CloverError(f"{model_dir}: no *.safetensors weights{hint}")
+            files = others
+        self.handles = {}
+        self.where: dict[str, str] = {}
+        for name in files:
+            path = model_dir / name
+            if not path.is_file():
+                raise CloverError(f"{path}: listed in the safetensors index but missing; re-download the checkpoint")
+            try:
+                handle = safe_open(str(path), framework="numpy")
+            except Exception as e:  # safetensors raises its own error types for corrupt headers
+                raise CloverError(f"{path}: not a readable safetensors file ({e})") from None
+            self.handles[name] = handle
+            for key in handle.keys():
+                self.where[key] = name
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.handles[self.where[key]].get_slice(key).get_shape())
+
+    def slice(self, key: str):
+        return self.handles[self.where[key]].get_slice(key)
+
+
+def load_pretrained(model_dir: str | Path, dtype=jnp.float32,
+                    sharding_for: Callable[[tuple, tuple], jax.sharding.Sharding] | None = None
+                    ) -> tuple[ModelConfig, Llama]:
+    """Load a HF Llama/Mistral/Qwen2 checkpoint directory into a `Llama` of the given dtype.
+
+    `sharding_for(path, shape)` places each parameter (default: the first device); each device then
+    reads only its own slice of the tensor from disk.
+    """
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CloverError(f"{model_dir}: no such model directory")
+    cfg = ModelConfig.from_pretrained(model_dir)
+    files = _TensorFiles(model_dir)
+    abstract = nnx.eval_shape(lambda: Llama(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    flat = nnx.to_flat_state(state)
+    device = jax.devices()[0]
+    used = set()
+    leaves = []
+    for path, var in flat:
+        name, transpose = hf_name(path)
+        shape = tuple(var.value.shape)
+        if name not in files.where:
+            raise CloverError(f"{model_dir}: checkpoint is missing tensor {name} (expected shape {list(shape[::-1] if transpose else shape)})")
+        stored = files.shape(name)
+        expected = shape[::-1] if transpose else shape
+        if stored != expected:
+            raise CloverError(f"{model_dir}: tensor {name} has shape {list(stored)}, expected {list(expected)} for this config.json")
+        used.add(name)
+        tensor = files.slice(name)
+        sharding = sharding_for(path, shape) if sharding_for else jax.sharding.SingleDeviceSharding(device)
+
+        def read(index, tensor=tensor, transpose=transpose):
+            index = tuple(index) if index is not None else (slice(None),) * len(shape)
+            block = tensor[index[::-1]].T if transpose else tensor[index]
+            return np.asarray(block).astype(dtype)
+
+        leaves.append((path, var.replace(jax.make_array_from_callback(shape, sharding, read))))
+    extra = sorted(k for k in files.where if k not in used and not k.endswith(_SKIPPED_SUFFIXES)
+                   and not (cfg.tie_word_embeddings and k == "lm_head.weight"))
+    if extra:
+        raise CloverError(f"{model_dir}: checkpoint has unexpected tensor {extra[0]} ({len(extra)} in all); "
+                          "it does not match config.json")
+    state = nnx.from_flat_state(leaves)
+    return cfg, nnx.merge(graphdef, state)
+
+
+def _atomic_replace(tmp: Path, final: Path) -> None:
+    os.replace(tmp, final)
+
+
+def save_pretrained(model: Llama, out_dir: str | Path, dtype=jnp.bfloat16,
+                    shard_bytes: int = _SHARD_BYTES) -> None:
+    """Write `model` as a HF checkpoint (config.json + safetensors, sharded with an index when large).
+
+    Each file is written under a temporary name and renamed into place, so an interrupted export
+    never leaves a half-written checkpoint behind a valid name.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, np.ndarray] = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name, transpose = hf_name(path)
+        array = np.asarray(jax.device_get(var.value.astype(dtype)))
+        tensors[name] = np.ascontiguousarray(array.T if transpose else array)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        if size and size + tensors[name].nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += tensors[name].nbytes
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    for fname, shard in zip(names, shards):
+        tmp = out / (fname + ".tmp")
+        save_file(shard, str(tmp), metadata={"format": "pt"})
+        _atomic_replace(tmp, out / fname)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": int(sum(t.nbytes for t in tensors.values()))},
+                 "weight_map": {n: f for f, s in zip(names, shards) for n in s}}
+        _write_text(out / "model.safetensors.index.json", json.dumps(index, indent=2))
+    hf = model.cfg.to_hf_dict()
+    hf["torch_dtype"] = jnp.dtype(dtype).name
+    _write_text(out / "config.json", json.dumps(hf, indent=2))
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    _atomic_replace(tmp, path)

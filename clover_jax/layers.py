@@ -1,0 +1,137 @@
+"""Building blocks of a Llama decoder layer, named and laid out as Hugging Face names them.
+
+Parameter names follow `transformers` (`q_proj`, `gate_proj`, `input_layernorm`, ...) and RoPE uses
+HF's rotate-half layout, so importing a checkpoint is a renaming plus transposes. Every parameter
+carries logical axis names (`out_sharding` metadata) that `sharding.py` maps to a device mesh.
+Letters: B batch, T new tokens, S cache slots, N query heads, K kv heads, G = N/K, H head dim, D model.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from clover_jax.cache import KVCache
+from clover_jax.config import ModelConfig, rope_inv_freq
+
+
+def param(value: jax.Array, axes: tuple[str, ...]) -> nnx.Param:
+    """A parameter with logical axis names; sharding is applied later, by the mesh rule table."""
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias); kernel [in, out] (HF stores the transpose)."""
+
+    def __init__(self, din: int, dout: int, axes: tuple[str, str], *, bias: bool = False,
+                 dtype=jnp.float32, rngs: nnx.Rngs, std: float = 0.02):
+        self.kernel = param(std * jax.random.normal(rngs.params(), (din, dout), dtype), axes)
+        self.bias = param(jnp.zeros((dout,), dtype), axes[1:]) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = x @ self.kernel[...].astype(x.dtype)
+        return y + self.bias[...].astype(x.dtype) if self.bias is not None else y
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm computed in float32 and cast back, as HF's LlamaRMSNorm does."""
+
+    def __init__(self, dim: int, eps: float, dtype=jnp.float32):
+        self.weight = param(jnp.ones((dim,), dtype), ("embed",))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(x.dtype) * xf.astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotary embedding, rotate-half layout. x [B, T, N, H], positions [B, T]."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, H/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    half = x.shape[-1] // 2
+    xf = x.astype(jnp.float32)
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention. q [B, T, N, H], k/v [B, S, K, H], mask [B, T, S] -> [B, T, N, H]."""
+    b, t, n, h = q.shape
+    kv = k.shape[2]
+    qg = q.reshape(b, t, kv, n // kv, h)
+    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(q.dtype)).astype(jnp.float32) / np.sqrt(h)
+    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(q.dtype))
+    return out.reshape(b, t, n, h)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = Linear(d, n * h, ("embed", "heads"), bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(d, k * h, ("embed", "kv_heads"), bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(d, k * h, ("embed", "kv_heads"), bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(n * h, d, ("heads", "embed"), dtype=dtype, rngs=rngs)
+        self.shape = (n, k, h)
+        self.cfg = cfg  # static: RoPE frequencies are derived from it at trace time
+
+    def __call__(self, x, positions, mask, cache: KVCache | None, layer: int):
+        """x [B, T, D]; with a cache, new K/V are written at its head and attention reads all S slots;
+        without one (training), attention runs over the T tokens themselves with mask [B, T, T]."""
+        b, t, _ = x.shape
+        n, k, h = self.shape
+        inv_freq = rope_inv_freq(self.cfg)
+        q = apply_rope(self.q_proj(x).reshape(b, t, n, h), positions, inv_freq)
+        kk = apply_rope(self.k_proj(x).reshape(b, t, k, h), positions, inv_freq)
+        vv = self.v_proj(x).reshape(b, t, k, h)
+        if cache is not None:
+            cache = cache.write(layer, kk, vv)
+            kk, vv = cache.k[layer], cache.v[layer]
+        out = attend(q, kk, vv, mask)
+        return self.o_proj(out.reshape(b, t, n * h)), cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(d, f, ("embed", "mlp"), dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(d, f, ("embed", "mlp"), dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(f, d, ("mlp", "embed"), dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm transformer layer. Also the Augmenting Block of Clover / Clover-2 (own cache)."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, positions, mask, cache: KVCache | None = None, layer: int = 0):
+        attn, cache = self.self_attn(self.input_layernorm(x), positions, mask, cache, layer)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+
+class Embed(nnx.Module):
+    def __init__(self, vocab: int, dim: int, *, dtype, rngs: nnx.Rngs):
+        self.embedding = param(0.02 * jax.random.normal(rngs.params(), (vocab, dim), dtype), ("vocab", "embed"))
+
+    def __call__(self, tokens: jax.Array, dtype) -> jax.Array:
+        return jnp.take(self.embedding[...], tokens, axis=0).astype(dtype)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """Tied output projection: logits = x @ embedding^T."""
+        return x @ self.embedding[...].astype(x.dtype).T

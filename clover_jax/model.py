@@ -1,0 +1,70 @@
+"""The Llama-family base model as a Flax NNX module.
+
+It returns logits *and* the last hidden states before and after the final norm: Medusa and Clover
+heads read the pre-norm state, Clover-2's distillation loss the post-norm one. The same forward serves
+prefill, one-token decoding and tree verification; only the mask and the positions differ.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from clover_jax.cache import KVCache
+from clover_jax.config import ModelConfig
+from clover_jax.layers import DecoderLayer, Embed, Linear, RMSNorm
+
+
+@flax.struct.dataclass
+class ModelOutput:
+    logits: jax.Array  # [B, T, V] float32
+    hidden: jax.Array  # [B, T, D] last layer's output, before the final norm
+    hidden_normed: jax.Array  # [B, T, D] after the final norm (what lm_head reads)
+    cache: KVCache | None
+
+
+class Llama(nnx.Module):
+    """Llama / Mistral / Qwen2 decoder. Attribute names mirror HF's `model.*` and `lm_head`."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(
+            cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs)
+
+    @property
+    def dtype(self):
+        return self.embed_tokens.embedding[...].dtype
+
+    def logits(self, hidden_normed: jax.Array) -> jax.Array:
+        """The output projection, shared with every draft head. [..., D] -> [..., V] float32."""
+        out = self.embed_tokens.attend(hidden_normed) if self.lm_head is None else self.lm_head(hidden_normed)
+        return out.astype(jnp.float32)
+
+    def lm_head_weight(self) -> jax.Array:
+        """The output projection as [V, D] rows (the token embeddings of Clover's Regressive Connection)."""
+        if self.lm_head is None:
+            return self.embed_tokens.embedding[...]
+        return self.lm_head.kernel[...].T
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, mask: jax.Array,
+                 cache: KVCache | None = None) -> ModelOutput:
+        """tokens, positions [B, T]; mask [B, T, S] over cache slots (or [B, T, T] without a cache)."""
+        x = self.embed_tokens(tokens, self.dtype)
+        for i, layer in enumerate(self.layers):
+            x, cache = layer(x, positions, mask, cache, i)
+        normed = self.norm(x)
+        return ModelOutput(logits=self.logits(normed), hidden=x, hidden_normed=normed, cache=cache)
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        c = self.cfg
+        return KVCache.zeros(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim, self.dtype)
+
+
+def causal_self_mask(batch: int, length: int) -> jax.Array:
+    """[B, T, T] lower-triangular mask for a cache-free forward (training, reference checks)."""
+    return jnp.broadcast_to(jnp.tril(jnp.ones((length, length), bool)), (batch, length, length))

@@ -1,0 +1,251 @@
+"""Tree topology constants against hand-drawn trees, the constructors, the defaults and every error."""
+
+import json
+
+import numpy as np
+import pytest
+
+from clover_jax.errors import CloverError
+from clover_jax.tree import (
+    DEFAULT_TREES,
+    EAGLE_MC_SIM_7B_63,
+    MEDUSA_MC_SIM_7B_63,
+    METHOD_HEADS,
+    Tree,
+    chain,
+    from_widths,
+    full,
+    resolve_tree,
+)
+
+#            0 (root)
+#          /    \
+#   rank0 1      2 rank1
+#        / \      \
+#       3   4      5
+#       |
+#       6
+SMALL = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+
+
+def _check_consistent(t: Tree):
+    """Every derived constant agrees with `parents`, `depth` and `rank`."""
+    n = t.num_nodes
+    for i in range(1, n):
+        p = t.parents[i]
+        assert p < i and t.depth[i] == t.depth[p] + 1
+        assert t.children[p, t.rank[i]] == i
+        np.testing.assert_array_equal(t.ancestor_mask[i], t.ancestor_mask[p] | (np.arange(n) == i))
+    assert t.num_children.sum() == n - 1
+    for row in t.retrieve:
+        nodes = row[row >= 0]
+        assert nodes[0] == 0 and t.num_children[nodes[-1]] == 0
+        np.testing.assert_array_equal(t.parents[nodes[1:]], nodes[:-1])
+    assert t.num_leaves == int((t.num_children == 0).sum())
+    for d, nodes in enumerate(t.depth_nodes, start=1):
+        np.testing.assert_array_equal(nodes, np.arange(n)[t.level(d)])
+        assert (t.depth[nodes] == d).all() and t.max_rank[d - 1] == t.rank[nodes].max() + 1
+
+
+def test_small_tree_literal_arrays():
+    t = Tree.from_paths(SMALL)
+    assert t.paths == ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))
+    assert (t.num_nodes, t.max_depth, t.num_leaves) == (7, 3, 3)
+    np.testing.assert_array_equal(t.parents, [-1, 0, 0, 1, 1, 2, 3])
+    np.testing.assert_array_equal(t.depth, [0, 1, 1, 2, 2, 2, 3])
+    np.testing.assert_array_equal(t.rank, [0, 0, 1, 0, 1, 0, 0])
+    np.testing.assert_array_equal(
+        t.ancestor_mask.astype(int),
+        [[1, 0, 0, 0, 0, 0, 0],
+         [1, 1, 0, 0, 0, 0, 0],
+         [1, 0, 1, 0, 0, 0, 0],
+         [1, 1, 0, 1, 0, 0, 0],
+         [1, 1, 0, 0, 1, 0, 0],
+         [1, 0, 1, 0, 0, 1, 0],
+         [1, 1, 0, 1, 0, 0, 1]],
+    )  # fmt: skip
+    np.testing.assert_array_equal(t.retrieve, [[0, 1, 4, -1], [0, 2, 5, -1], [0, 1, 3, 6]])
+    assert [d.tolist() for d in t.depth_nodes] == [[1, 2], [3, 4, 5], [6]]
+    assert t.level(2) == slice(3, 6)
+    assert t.max_rank == (2, 2, 1)
+    np.testing.assert_array_equal(t.num_children, [2, 2, 1, 1, 0, 0, 0])
+    np.testing.assert_array_equal(t.children, [[1, 2], [3, 4], [5, -1], [6, -1], [-1, -1], [-1, -1], [-1, -1]])
+    for a in (t.parents, t.depth, t.rank, t.ancestor_mask, t.retrieve, t.children, t.num_children):
+        assert a.dtype in (np.int32, np.bool_) and not a.flags.writeable
+    assert all(d.dtype == np.int32 and not d.flags.writeable for d in t.depth_nodes)
+    _check_consistent(t)
+
+
+def test_unsorted_input_is_put_in_canonical_order():
+    t = Tree.from_paths([(2, 0), [1], (2,), [0]])
+    assert t.paths == ((0,), (1,), (2,), (2, 0))
+    np.testing.assert_array_equal(t.parents, [-1, 0, 0, 0, 3])
+    np.testing.assert_array_equal(t.rank, [0, 0, 1, 2, 0])
+    np.testing.assert_array_equal(t.retrieve, [[0, 1, -1], [0, 2, -1], [0, 3, 4]])
+    np.testing.assert_array_equal(t.children, [[1, 2, 3], [-1, -1, -1], [-1, -1, -1], [4, -1, -1], [-1, -1, -1]])
+    assert t == Tree.from_paths([[0], [1], [2], [2, 0]])
+
+
+def test_chain():
+    t = chain(3)
+    assert t.paths == ((0,), (0, 0), (0, 0, 0))
+    np.testing.assert_array_equal(t.parents, [-1, 0, 1, 2])
+    np.testing.assert_array_equal(t.ancestor_mask, np.tril(np.ones((4, 4), bool)))
+    np.testing.assert_array_equal(t.retrieve, [[0, 1, 2, 3]])
+    assert t.max_rank == (1, 1, 1) and t.children.shape == (4, 1)
+
+
+def test_full_and_widths():
+    t = full(2, 2)
+    assert t.paths == ((0,), (1,), (0, 0), (0, 1), (1, 0), (1, 1))
+    np.testing.assert_array_equal(t.retrieve, [[0, 1, 3], [0, 1, 4], [0, 2, 5], [0, 2, 6]])
+    np.testing.assert_array_equal(t.children, [[1, 2], [3, 4], [5, 6], [-1, -1], [-1, -1], [-1, -1], [-1, -1]])
+    w = from_widths([3, 2, 1])
+    assert w.num_nodes == 1 + 3 + 6 + 6 and w.max_depth == 3 and w.max_rank == (3, 2, 1)
+    assert w.num_leaves == 6
+    _check_consistent(w)
+
+
+@pytest.mark.parametrize(
+    "paths, message",
+    [
+        ("[[0]]", r"must be a list of paths .* got str"),
+        ({"paths": [[0]]}, r"must be a list of paths .* got dict"),
+        ([], r"tree is empty"),
+        ([[0], []], r"path \[\] is empty"),
+        ([[0], 1], r"path 1 is not a list"),
+        ([[0], [0, -1]], r"rank -1: ranks are integers >= 0"),
+        ([[0], [0, 1.0]], r"rank 1\.0: ranks are integers"),
+        ([[0], [True]], r"rank True"),
+        ([[0], [1], [0]], r"path \[0\] appears twice"),
+        ([[0], (0,)], r"path \[0\] appears twice"),
+        ([[0], [1, 0]], r"path \[1, 0\] has no parent: add the path \[1\]"),
+        ([[0], [2]], r"the root has children of ranks \[0, 2\] but not rank 1"),
+        ([[0], [0, 1]], r"node \[0\] has children of ranks \[1\] but not rank 0"),
+        ([[i] for i in range(5000)], r"5001 nodes, more than the 4096"),
+    ],
+)
+def test_validation_errors(paths, message):
+    with pytest.raises(CloverError, match=message):
+        Tree.from_paths(paths)
+
+
+def test_max_depth_error():
+    Tree.from_paths(SMALL, max_depth=3)
+    with pytest.raises(CloverError, match=r"path \[0, 0, 0\] has depth 3, more than the 2 heads"):
+        Tree.from_paths(SMALL, max_depth=2)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: chain(0), r"chain depth must be a positive integer, got 0"),
+        (lambda: full(2, -1), r"tree depth must be a positive integer"),
+        (lambda: from_widths([]), r"non-empty list"),
+        (lambda: from_widths([2, 0]), r"tree width must be a positive integer, got 0"),
+        (lambda: full(10, 5), r"111111 nodes, more than the 4096"),
+    ],
+)
+def test_constructor_errors(call, message):
+    with pytest.raises(CloverError, match=message):
+        call()
+
+
+def test_json_file(tmp_path):
+    plain, wrapped = tmp_path / "plain.json", tmp_path / "wrapped.json"
+    plain.write_text(json.dumps(SMALL))
+    wrapped.write_text(json.dumps({"paths": SMALL}))
+    assert Tree.from_file(str(plain)) == Tree.from_file(str(wrapped)) == Tree.from_paths(SMALL)
+    with pytest.raises(CloverError, match=r"more than the 2 heads"):
+        Tree.from_file(str(plain), max_depth=2)
+    with pytest.raises(CloverError, match=r"cannot read tree file .*missing\.json"):
+        Tree.from_file(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("[[0], [1")
+    with pytest.raises(CloverError, match=r"tree file .*bad\.json is not valid JSON"):
+        Tree.from_file(str(bad))
+    bad.write_text('{"tree": [[0]]}')
+    with pytest.raises(CloverError, match=r"object without a 'paths' key"):
+        Tree.from_file(str(bad))
+
+
+def test_hash_and_equality_follow_paths():
+    a, b = Tree.from_paths(SMALL), Tree.from_paths(list(reversed(SMALL)))
+    assert a == b and hash(a) == hash(b) and a is not b
+    assert a != chain(3) and a != SMALL
+    assert len({a, b, chain(3)}) == 2
+    assert repr(a) == "Tree(num_nodes=7, max_depth=3, leaves=3)"
+    with pytest.raises(AttributeError):
+        a.paths = ()
+
+
+def test_tree_is_a_static_jit_argument():
+    import jax
+    import jax.numpy as jnp
+
+    calls = []
+
+    def f(x, tree):
+        calls.append(tree)
+        return x[jnp.asarray(tree.parents[1:])]
+
+    g = jax.jit(f, static_argnums=1)
+    x = jnp.arange(7)
+    np.testing.assert_array_equal(g(x, Tree.from_paths(SMALL)), [0, 0, 1, 1, 2, 3])
+    g(x, Tree.from_paths(list(reversed(SMALL))))  # equal tree: no retrace
+    assert len(calls) == 1
+
+
+def test_default_trees():
+    sizes = {"medusa": (64, 4, 42), "clover": (62, 3, 41), "clover2": (26, 5, 15)}
+    assert METHOD_HEADS == {"medusa": 4, "clover": 3, "clover2": 5}
+    for method, t in DEFAULT_TREES.items():
+        assert (t.num_nodes, t.max_depth, t.num_leaves) == sizes[method]
+        assert t.max_depth <= METHOD_HEADS[method]
+        _check_consistent(t)
+    assert len(MEDUSA_MC_SIM_7B_63) == 63 and len(EAGLE_MC_SIM_7B_63) == 25
+    assert DEFAULT_TREES["medusa"] == Tree.from_paths(MEDUSA_MC_SIM_7B_63)
+    assert DEFAULT_TREES["clover2"] == Tree.from_paths(EAGLE_MC_SIM_7B_63)
+    assert DEFAULT_TREES["clover2"].max_rank == (4, 3, 3, 3, 2)
+    assert DEFAULT_TREES["medusa"].max_rank == (10, 10, 10, 2)
+
+
+def test_resolve_tree_specs(tmp_path):
+    assert resolve_tree(None, "clover2", 5) == DEFAULT_TREES["clover2"]
+    assert resolve_tree("default", "clover", 3) == DEFAULT_TREES["clover"]
+    assert resolve_tree("mc_sim_7b_63", "medusa", 4) == DEFAULT_TREES["medusa"]
+    assert resolve_tree(None, "clover2", 3).max_depth == 3  # named trees are cut to the heads
+    assert resolve_tree("medusa_mc_sim_7b_63", "clover2", 5) == DEFAULT_TREES["medusa"]
+    assert resolve_tree("eagle_mc_sim_7b_63", "medusa", 2).num_nodes == 13
+    assert resolve_tree("chain:4", "medusa", 4) == chain(4)
+    assert resolve_tree("full:2x3", "clover2", 5) == full(2, 3)
+    assert resolve_tree(" widths:4,2,1 ", "clover2", 5) == from_widths([4, 2, 1])
+    assert resolve_tree(json.dumps(SMALL), "medusa", 4) == Tree.from_paths(SMALL)
+    assert resolve_tree(json.dumps({"paths": SMALL}), "medusa", 4) == Tree.from_paths(SMALL)
+    assert resolve_tree(SMALL, "medusa", 4) == Tree.from_paths(SMALL)
+    assert resolve_tree(chain(2), "medusa", 4) == chain(2)
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps(SMALL))
+    assert resolve_tree(str(f), "clover", 3) == Tree.from_paths(SMALL)
+
+
+@pytest.mark.parametrize(
+    "spec, method, heads, message",
+    [
+        (None, "eagle", 4, r"unknown method 'eagle'"),
+        (None, "medusa", 0, r"num_heads must be a positive integer"),
+        ("dynamic:60", "clover", 3, r"dynamic trees are not supported by resolve_tree yet"),
+        ("chain:5", "medusa", 4, r"depth 5, more than the 4 heads"),
+        ("full:2x3x1", "medusa", 4, r"write chain:D, full:WxD or widths"),
+        ("chain:a", "medusa", 4, r"expected integers after 'chain:'"),
+        ("[[0], [1]", "medusa", 4, r"tree spec is not valid JSON"),
+        ("nope.json", "medusa", 4, r"cannot read tree file nope\.json"),
+        ("mc_sim_7b_64", "medusa", 4, r"unknown tree spec 'mc_sim_7b_64'"),
+        (3, "medusa", 4, r"must be a string, a list of paths or None, got int"),
+        (SMALL, "clover", 2, r"more than the 2 heads"),
+        (chain(4), "clover", 3, r"more than the 3 heads"),
+    ],
+)
+def test_resolve_tree_errors(spec, method, heads, message):
+    with pytest.raises(CloverError, match=message):
+        resolve_tree(spec, method, heads)
