@@ -19,7 +19,7 @@ from clover_jax.layers import DecoderLayer, Embed, Linear, RMSNorm
 
 @flax.struct.dataclass
 class ModelOutput:
-    logits: jax.Array  # [B, T, V] float32
+    logits: jax.Array | None  # [B, T, V] float32 (None when the caller asked for hidden states only)
     hidden: jax.Array  # [B, T, D] last layer's output, before the final norm
     hidden_normed: jax.Array  # [B, T, D] after the final norm (what lm_head reads)
     cache: KVCache | None
@@ -52,13 +52,15 @@ class Llama(nnx.Module):
         return self.lm_head.kernel[...].T
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, mask: jax.Array,
-                 cache: KVCache | None = None) -> ModelOutput:
-        """tokens, positions [B, T]; mask [B, T, S] over cache slots (or [B, T, T] without a cache)."""
+                 cache: KVCache | None = None, with_logits: bool = True) -> ModelOutput:
+        """tokens, positions [B, T]; mask [B, T, S] over cache slots (or [B, T, T] without a cache).
+        `with_logits=False` skips the [B, T, V] projection when only a few positions need it."""
         x = self.embed_tokens(tokens, self.dtype)
         for i, layer in enumerate(self.layers):
             x, cache = layer(x, positions, mask, cache, i)
         normed = self.norm(x)
-        return ModelOutput(logits=self.logits(normed), hidden=x, hidden_normed=normed, cache=cache)
+        logits = self.logits(normed) if with_logits else None
+        return ModelOutput(logits=logits, hidden=x, hidden_normed=normed, cache=cache)
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         c = self.cfg

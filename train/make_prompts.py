@@ -97,6 +97,7 @@ def make_prompts(tokenizer=None, count: int = 300, seed: int = 0, max_tokens: in
     length, budget = _length_fn(tokenizer, max_tokens, max_chars)
     files = corpus.split_files(corpus.list_files(root))["test"] if files is None else files
     texts = {rel: corpus.read_text(rel, root) for rel in files}
+    lines = {rel: _lines(text) for rel, text in texts.items()}
     candidates = [(rel, span) for rel in sorted(texts) for span in _spans(texts[rel])]
     if not candidates:
         raise CloverError("no function or class definitions found in the prompt source files")
@@ -110,16 +111,14 @@ def make_prompts(tokenizer=None, count: int = 300, seed: int = 0, max_tokens: in
                 break
             if per_file[rel] == max_per_file:
                 continue
-            lines = _lines(texts[rel])
-            prompt = _prompt(lines, span, body_lines, context_lines, length, budget)
+            prompt = _prompt(lines[rel], span, body_lines, context_lines, length, budget)
             if prompt is None or prompt in seen:
                 continue
             seen.add(prompt)
             per_file[rel] += 1
-            picked.append({"prompt": prompt, "source": f"{rel}:{span[1]}", "_key": (rel, span[1])})
+            picked.append((rel, span[1], prompt))
             bar.update(1)
-    picked.sort(key=lambda p: p.pop("_key"))
-    return picked
+    return [{"prompt": prompt, "source": f"{rel}:{line}"} for rel, line, prompt in sorted(picked)]
 
 
 def write_jsonl(prompts: list[dict], out) -> pathlib.Path:

@@ -1,0 +1,190 @@
+"""Plain (one token per step) generation: prefill plus a `lax.while_loop`, jitted end to end.
+
+Prompts are right-padded to a few length buckets, so a new prompt length reuses a compiled program;
+each sequence has its own length, token budget and RNG key, and stops on its own EOS. `Generator`
+is the host-side front: it tokenizes nothing, pads, picks the bucket, compiles once per shape
+(ahead of time, so compile time is reported apart from run time) and trims the outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from clover_jax.cache import KVCache, causal_mask
+from clover_jax.errors import CloverError
+from clover_jax.model import Llama
+from clover_jax.sampling import SamplingConfig, sample, step_keys
+
+BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+@flax.struct.dataclass
+class DecodeState:
+    cache: KVCache
+    tokens: jax.Array  # [B, M] generated tokens, written left to right
+    num_new: jax.Array  # [B] tokens generated so far
+    last: jax.Array  # [B] the newest token: the next step's input
+    done: jax.Array  # [B] hit EOS or the budget
+    finite: jax.Array  # [B] every logit so far was finite
+    keys: jax.Array  # [B, 2] per-sequence RNG keys
+    step: jax.Array  # [] steps taken (forward passes after the prefill)
+
+    def record(self, new: jax.Array, budgets: jax.Array, eos_ids: tuple[int, ...]) -> "DecodeState":
+        """Append token `new` [B] to every unfinished sequence and update `done`."""
+        live = ~self.done
+        b = jnp.arange(new.shape[0])
+        col = jnp.minimum(self.num_new, self.tokens.shape[1] - 1)
+        tokens = self.tokens.at[b, col].set(jnp.where(live, new, self.tokens[b, col]))
+        num_new = self.num_new + live
+        hit_eos = jnp.isin(new, jnp.asarray(eos_ids, jnp.int32)) if eos_ids else jnp.zeros_like(live)
+        done = self.done | (live & hit_eos) | (num_new >= budgets)
+        return self.replace(tokens=tokens, num_new=num_new, last=jnp.where(live, new, self.last), done=done)
+
+
+def prefill(model: Llama, prompts: jax.Array, prompt_lens: jax.Array, cache_len: int):
+    """Run the padded prompts [B, P] through the model; returns (cache with lengths = prompt_lens,
+    hidden [B, D] and normed hidden [B, D] at each prompt's last token, logits [B, V] there)."""
+    b, p = prompts.shape
+    cache = model.init_cache(b, cache_len)
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    out = model(prompts, positions, causal_mask(cache.lengths, p, cache_len), cache, with_logits=False)
+    last = (prompt_lens - 1)[:, None, None]
+    hidden = jnp.take_along_axis(out.hidden, last, axis=1)[:, 0]
+    normed = jnp.take_along_axis(out.hidden_normed, last, axis=1)[:, 0]
+    return out.cache.advance(prompt_lens), hidden, normed, model.logits(normed)
+
+
+def generate_plain(graphdef, params, prompts, prompt_lens, budgets, keys, *, sampling: SamplingConfig,
+                   eos_ids: tuple[int, ...], max_new: int, cache_len: int) -> DecodeState:
+    """The whole plain generation as one pure function (jit it with the keyword args static)."""
+    model = nnx.merge(graphdef, params)
+    b = prompts.shape[0]
+    cache, _, _, logits = prefill(model, prompts, prompt_lens, cache_len)
+    state = DecodeState(
+        cache=cache, tokens=jnp.zeros((b, max_new), jnp.int32), num_new=jnp.zeros((b,), jnp.int32),
+        last=jnp.zeros((b,), jnp.int32), done=budgets <= 0, finite=jnp.isfinite(logits).all(-1),
+        keys=keys, step=jnp.zeros((), jnp.int32))
+    state = state.record(sample(logits, step_keys(keys, 0), sampling), budgets, eos_ids)
+
+    def cond(s: DecodeState):
+        return (s.step < max_new - 1) & ~jnp.all(s.done)
+
+    def body(s: DecodeState):
+        c = s.cache
+        out = model(s.last[:, None], c.lengths[:, None], causal_mask(c.lengths, 1, cache_len), c)
+        logits = out.logits[:, 0]
+        step = s.step + 1
+        s = s.replace(cache=out.cache.advance(~s.done), step=step,
+                      finite=s.finite & (jnp.isfinite(logits).all(-1) | s.done))
+        return s.record(sample(logits, step_keys(s.keys, step), sampling), budgets, eos_ids)
+
+    return jax.lax.while_loop(cond, body, state)
+
+
+@dataclasses.dataclass
+class GenerationOutput:
+    tokens: list[list[int]]  # per prompt, the new tokens (EOS included when hit)
+    steps: int  # forward passes after the prefill
+    compile_seconds: float  # 0 when the program was already compiled
+    run_seconds: float
+    state: DecodeState | None = None  # final device state, for statistics
+
+    @property
+    def num_new_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_new_tokens / max(self.run_seconds, 1e-9)
+
+
+def bucket_for(length: int, buckets: Sequence[int] = BUCKETS) -> int:
+    for b in buckets:
+        if b >= length:
+            return b
+    raise CloverError(f"prompt of {length} tokens is longer than the largest bucket ({buckets[-1]})")
+
+
+class Generator:
+    """Host-side front of a jitted generation program: padding, buckets, compile cache, trimming.
+
+    Subclasses (speculative decoding) supply `_program` and extra static arguments; the padding,
+    budget checks and compile accounting here are shared.
+    """
+
+    def __init__(self, model: Llama, *, max_len: int | None = None, buckets: Sequence[int] = BUCKETS):
+        self.model = model
+        self.cfg = model.cfg
+        self.graphdef, self.params = nnx.split(model)
+        self.max_len = max_len or self.cfg.max_position_embeddings
+        self.buckets = tuple(b for b in buckets if b < self.max_len) + (self.max_len,)
+        self._compiled: dict = {}
+        self.compilations = 0
+
+    # What a subclass changes.
+    def _program(self) -> Callable:
+        return generate_plain
+
+    def _static(self) -> dict:
+        return {}
+
+    def _slack(self) -> int:
+        """Cache slots needed past the last kept token (a speculative step writes a whole tree)."""
+        return 0
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
+                 eos_ids: Sequence[int] | None = None,
+                 budgets: Sequence[int] | None = None) -> GenerationOutput:
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise CloverError("every prompt must have at least one token")
+        if max_new_tokens < 1:
+            raise CloverError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        longest = max(len(p) for p in prompts)
+        if longest + max_new_tokens > self.max_len:
+            raise CloverError(
+                f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the cache of {self.max_len} "
+                "positions; shorten the prompt, lower --max-new-tokens or raise --max-len")
+        vocab = self.cfg.vocab_size
+        if any(t < 0 or t >= vocab for p in prompts for t in p):
+            raise CloverError(f"prompt token ids must be in [0, {vocab}); the tokenizer does not match the model")
+        eos = tuple(int(e) for e in (self.cfg.eos_token_ids if eos_ids is None else eos_ids))
+        bucket = bucket_for(longest, self.buckets)
+        b = len(prompts)
+        padded = np.zeros((b, bucket), np.int32)
+        for i, p in enumerate(prompts):
+            padded[i, : len(p)] = p
+        lens = np.array([len(p) for p in prompts], np.int32)
+        budget = np.full((b,), max_new_tokens, np.int32) if budgets is None else np.minimum(
+            np.asarray(budgets, np.int32), max_new_tokens)
+        keys = jax.random.split(jax.random.key(seed), b)
+        keys = jax.random.key_data(keys)
+        static = dict(sampling=sampling, eos_ids=eos, max_new=max_new_tokens,
+                      cache_len=bucket + max_new_tokens + self._slack(), **self._static())
+        args = (self.params, jnp.asarray(padded), jnp.asarray(lens), jnp.asarray(budget), keys)
+        key = (b, bucket, tuple(sorted(static.items(), key=lambda kv: kv[0])))
+        compile_s = 0.0
+        if key not in self._compiled:
+            t0 = time.perf_counter()
+            fn = jax.jit(self._program(), static_argnums=0, static_argnames=tuple(static))
+            self._compiled[key] = fn.lower(self.graphdef, *args, **static).compile()
+            compile_s = time.perf_counter() - t0
+            self.compilations += 1
+        t0 = time.perf_counter()
+        state = self._compiled[key](*args)
+        state = jax.block_until_ready(state)
+        run_s = time.perf_counter() - t0
+        if not bool(np.all(np.asarray(state.finite))):
+            raise CloverError("the model produced non-finite logits (NaN/Inf); check the weights, or try --dtype float32")
+        num = np.asarray(state.num_new)
+        toks = np.asarray(state.tokens)
+        return GenerationOutput(tokens=[toks[i, : num[i]].tolist() for i in range(b)], steps=int(state.step) + 1,
+                                compile_seconds=compile_s, run_seconds=run_s, state=state)

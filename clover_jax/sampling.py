@@ -1,0 +1,71 @@
+"""Turning logits into tokens: temperature, top-k and top-p, with one RNG key per sequence.
+
+`distribution` is the single definition of "the base model's distribution" under a sampling setting:
+plain sampling draws from it, and speculative sampling must reproduce it exactly. Keys are per
+sequence and folded with the step, so a sequence's draws do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from clover_jax.errors import CloverError
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """Static sampling settings (hashable: a jit static argument). temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: no top-k truncation
+    top_p: float = 1.0  # 1: no nucleus truncation
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise CloverError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
+        if self.top_k < 0:
+            raise CloverError(f"top_k={self.top_k} must be >= 0 (0 turns it off)")
+        if not 0 < self.top_p <= 1:
+            raise CloverError(f"top_p={self.top_p} must be in (0, 1] (1 turns it off)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def distribution(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
+    """Probabilities [..., V] (float32) after temperature, top-k and top-p. Greedy gives one-hot argmax."""
+    logits = logits.astype(jnp.float32)
+    if cfg.greedy:
+        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    logits = logits / cfg.temperature
+    neg = jnp.finfo(jnp.float32).min
+    if cfg.top_k and cfg.top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, cfg.top_k)[0][..., -1:]
+        logits = jnp.where(logits >= kth, logits, neg)
+    probs = jax.nn.softmax(logits, axis=-1)
+    if cfg.top_p < 1:
+        # Keep the smallest set of most likely tokens whose mass reaches top_p (HF's rule).
+        order = jnp.argsort(-probs, axis=-1)
+        sorted_probs = jnp.take_along_axis(probs, order, axis=-1)
+        keep_sorted = (jnp.cumsum(sorted_probs, axis=-1) - sorted_probs) < cfg.top_p
+        keep = jnp.put_along_axis(jnp.zeros_like(keep_sorted), order, keep_sorted, axis=-1, inplace=False)
+        probs = jnp.where(keep, probs, 0.0)
+        probs = probs / probs.sum(axis=-1, keepdims=True)
+    return probs
+
+
+def step_keys(keys: jax.Array, step: jax.Array) -> jax.Array:
+    """Per-sequence keys [B, 2] for one step: each sequence's key folded with the step number."""
+    return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
+
+
+def sample(logits: jax.Array, keys: jax.Array, cfg: SamplingConfig) -> jax.Array:
+    """Draw one token per row. logits [B, V], keys [B, 2] -> [B] int32."""
+    if cfg.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logp = jnp.log(distribution(logits, cfg))
+    return jax.vmap(jax.random.categorical)(keys, logp).astype(jnp.int32)
