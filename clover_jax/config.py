@@ -116,7 +116,7 @@ class ModelConfig:
         if hf.get("rope_scaling"):
             rope.update(hf["rope_scaling"])
         theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope_type = rope.get("type", rope.get("rope_type", "default"))  # legacy rope_scaling "type" wins
         if rope_type == "default":
             scaling = None
         elif rope_type == "llama3":

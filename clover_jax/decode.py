@@ -51,15 +51,15 @@ class DecodeState:
 
 def prefill(model: Llama, prompts: jax.Array, prompt_lens: jax.Array, cache_len: int):
     """Run the padded prompts [B, P] through the model; returns (cache with lengths = prompt_lens,
-    hidden [B, D] and normed hidden [B, D] at each prompt's last token, logits [B, V] there)."""
+    hidden [B, P, D] and normed hidden [B, P, D] of every position, logits [B, V] at each prompt's
+    last token). Logits are projected at that one position only."""
     b, p = prompts.shape
     cache = model.init_cache(b, cache_len)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     out = model(prompts, positions, causal_mask(cache.lengths, p, cache_len), cache, with_logits=False)
     last = (prompt_lens - 1)[:, None, None]
-    hidden = jnp.take_along_axis(out.hidden, last, axis=1)[:, 0]
-    normed = jnp.take_along_axis(out.hidden_normed, last, axis=1)[:, 0]
-    return out.cache.advance(prompt_lens), hidden, normed, model.logits(normed)
+    normed_last = jnp.take_along_axis(out.hidden_normed, last, axis=1)[:, 0]
+    return out.cache.advance(prompt_lens), out.hidden, out.hidden_normed, model.logits(normed_last)
 
 
 def generate_plain(graphdef, params, prompts, prompt_lens, budgets, keys, *, sampling: SamplingConfig,

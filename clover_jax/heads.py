@@ -1,0 +1,262 @@
+"""Draft heads: Medusa, Clover and Clover-2, behind one small interface the engine drafts through.
+
+Every head family answers three questions (k = depth of a tree node, 0 for the root):
+- `context`: per-position context states from the base model's hidden states (and, for Clover-2, the
+  next token), running the Augmenting Block over its own KV cache where the method has one;
+- `node_state(k, parent_state, token)`: the state of a node at depth k holding `token`, from its
+  parent's state (the root's parent state is the context) - the Regressive Connection;
+- `node_logits(k, state, token)`: logits [.., V] over the node's children, through the base model's
+  frozen `lm_head`.
+Medusa ignores tokens (`token_dependent = False`), so the engine computes its logits once per depth.
+The architectures and initialisations are SPEC section 2's; where the papers leave a detail open, the
+choice follows the authors' code and is said in the docstring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from clover_jax.cache import KVCache
+from clover_jax.config import ModelConfig
+from clover_jax.errors import CloverError
+from clover_jax.layers import DecoderLayer, Linear, RMSNorm, param
+from clover_jax.model import Llama
+
+METHODS = ("medusa", "clover", "clover2")
+DEFAULT_NUM_HEADS = {"medusa": 4, "clover": 3, "clover2": 5}
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadsConfig:
+    method: str
+    num_heads: int
+    embed_source: str = "lm_head"  # Clover-2's token embedding: "lm_head" (frozen copy) or "input"
+    noise: float = 0.01  # scale of the uniform noise added to identity initialisations
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise CloverError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if self.num_heads < 1:
+            raise CloverError(f"num_heads={self.num_heads} must be >= 1")
+        if self.embed_source not in ("lm_head", "input"):
+            raise CloverError(f"embed_source={self.embed_source!r} must be 'lm_head' or 'input'")
+
+    @property
+    def aug_layers(self) -> int:
+        return {"medusa": 0, "clover": 1, "clover2": 2}[self.method]
+
+
+def _eye_plus_uniform(key, n: int, m: int, noise: float, dtype) -> jax.Array:
+    """Identity on the first n columns' diagonal plus U(0, noise): the authors' `eye_with_uniform`."""
+    return (jnp.eye(n, m, dtype=dtype) + noise * jax.random.uniform(key, (n, m), dtype)).astype(dtype)
+
+
+def _copy_layer(src: DecoderLayer, dst: DecoderLayer) -> None:
+    """Initialise an Augmenting Block layer from the base model's last layer (weights copied)."""
+    nnx.update(dst, jax.tree.map(jnp.copy, nnx.state(src, nnx.Param)))
+
+
+class ResBlock(nnx.Module):
+    """Medusa's residual block x + SiLU(W x + b), W zero-initialised so a new head starts as lm_head."""
+
+    def __init__(self, dim: int, dtype, rngs: nnx.Rngs):
+        self.linear = Linear(dim, dim, ("embed", "embed_out"), bias=True, dtype=dtype, rngs=rngs)
+        self.linear.kernel[...] = jnp.zeros_like(self.linear.kernel[...])
+
+    def __call__(self, x):
+        return x + jax.nn.silu(self.linear(x))
+
+
+def token_embeddings(base: Llama, source: str, normalise: bool) -> jax.Array:
+    """[V, D] token embeddings the heads read (frozen): lm_head rows (Clover normalises them) or the
+    input embedding table."""
+    table = base.lm_head_weight() if source == "lm_head" else base.embed_tokens.embedding[...]
+    table = jax.lax.stop_gradient(table)
+    if normalise:
+        tf = table.astype(jnp.float32)
+        table = (tf / (jnp.linalg.norm(tf, axis=-1, keepdims=True) + 1e-6)).astype(table.dtype)
+    return table
+
+
+class Heads(nnx.Module):
+    """Shared plumbing; subclasses define the three questions above."""
+
+    token_dependent = True
+
+    def __init__(self, hcfg: HeadsConfig, base_cfg: ModelConfig, aug: list[DecoderLayer]):
+        self.hcfg = hcfg
+        self.base_cfg = base_cfg
+        self.aug = nnx.List(aug)
+
+    @property
+    def num_heads(self) -> int:
+        return self.hcfg.num_heads
+
+    def init_aug_cache(self, batch: int, max_len: int, dtype) -> KVCache | None:
+        c = self.base_cfg
+        if not len(self.aug):
+            return None
+        return KVCache.zeros(len(self.aug), batch, max_len, c.num_kv_heads, c.head_dim, dtype)
+
+    def run_aug(self, x, positions, mask, cache: KVCache | None):
+        """The Augmenting Block over x [B, T, D]: causal over the prefix through its own cache (decoding)
+        or over the T positions themselves when `cache` is None (training)."""
+        for i, layer in enumerate(self.aug):
+            x, cache = layer(x, positions, mask, cache, i)
+        return x, cache
+
+    def context(self, base: Llama, hidden, hidden_normed, next_tokens, positions, mask, cache):
+        raise NotImplementedError
+
+    def node_state(self, base: Llama, k: int, state, token):
+        raise NotImplementedError
+
+    def node_logits(self, base: Llama, k: int, state, token):
+        raise NotImplementedError
+
+
+class MedusaHeads(Heads):
+    """Head i: lm_head(h + SiLU(W_i h)), h the base model's last hidden state after the final norm (as
+    Medusa's code feeds it; SPEC's formula names no norm). No head sees a drafted token."""
+
+    token_dependent = False
+
+    def __init__(self, hcfg: HeadsConfig, base: Llama, *, rngs: nnx.Rngs):
+        super().__init__(hcfg, base.cfg, [])
+        self.blocks = nnx.List([ResBlock(base.cfg.hidden_size, base.dtype, rngs) for _ in range(hcfg.num_heads)])
+
+    def context(self, base, hidden, hidden_normed, next_tokens, positions, mask, cache):
+        return hidden_normed, cache
+
+    def node_state(self, base, k, state, token):
+        return state
+
+    def node_logits(self, base, k, state, token):
+        return base.logits(self.blocks[k](state))
+
+
+class CloverAttentionDecoder(nnx.Module):
+    """Clover's Attention Decoder: q = W_Q norm(h), k = W_K e, v = W_V e, h + Attn(q, k, v).
+
+    Each tree node attends to the one token embedding it is given, so the softmax over that single key
+    is 1 and the output is v; q and k are computed as the paper writes them (identity + noise init),
+    and Clover-2's cosine gate is what later gave them a role.
+    """
+
+    def __init__(self, cfg: ModelConfig, noise: float, dtype, rngs: nnx.Rngs):
+        d = cfg.hidden_size
+        self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.q = Linear(d, d, ("embed", "embed_out"), dtype=dtype, rngs=rngs)
+        self.k = Linear(d, d, ("embed", "embed_out"), dtype=dtype, rngs=rngs)
+        self.v = Linear(d, d, ("embed", "embed_out"), dtype=dtype, rngs=rngs)
+        self.q.kernel[...] = _eye_plus_uniform(rngs.params(), d, d, noise, dtype)
+        self.k.kernel[...] = _eye_plus_uniform(rngs.params(), d, d, noise, dtype)
+        self.v.kernel[...] = jnp.zeros((d, d), dtype)
+        self.num_heads = cfg.num_heads if d % cfg.num_heads == 0 else 1
+
+    def __call__(self, h, e):
+        q, k, v = self.q(self.norm(h)), self.k(e), self.v(e)
+        split = lambda x: x.reshape(*x.shape[:-1], self.num_heads, -1)
+        score = jnp.sum(split(q) * split(k), axis=-1, keepdims=True) / jnp.sqrt(split(q).shape[-1])
+        weight = jax.nn.softmax(score[..., None], axis=-1)[..., 0]  # one key per query: exactly 1
+        return h + (split(v) * weight.astype(v.dtype)).reshape(h.shape)
+
+
+class CloverHeads(Heads):
+    """Clover: Augmenting Block (1 layer, own cache) -> h_0; node state h_i = h_{i-1} + AD(h_{i-1},
+    e_{i-1}) with e the normalised lm_head row of the node's token; logits of head i =
+    lm_head(norm(h_i + SiLU(W_i h_i))), `norm` being the base model's final norm."""
+
+    def __init__(self, hcfg: HeadsConfig, base: Llama, *, rngs: nnx.Rngs):
+        aug = [DecoderLayer(base.cfg, dtype=base.dtype, rngs=rngs)]
+        _copy_layer(base.layers[-1], aug[0])
+        super().__init__(hcfg, base.cfg, aug)
+        self.decoder = CloverAttentionDecoder(base.cfg, hcfg.noise, base.dtype, rngs)
+        self.blocks = nnx.List([ResBlock(base.cfg.hidden_size, base.dtype, rngs) for _ in range(hcfg.num_heads)])
+
+    def context(self, base, hidden, hidden_normed, next_tokens, positions, mask, cache):
+        return self.run_aug(hidden, positions, mask, cache)
+
+    def node_state(self, base, k, state, token):
+        e = jnp.take(token_embeddings(base, "lm_head", True), token, axis=0).astype(state.dtype)
+        return self.decoder(state, e)
+
+    def node_logits(self, base, k, state, token):
+        return base.logits(base.norm(self.blocks[k](state)))
+
+
+class GateDecoder(nnx.Module):
+    """Clover-2's Attention Decoder: per attention head j, gate_j = cos(q_j, k_j); out = x + v * gate.
+    q from RMSNorm(x), k and v from the token embedding, all linear with bias; no softmax, no output
+    projection. Init as the authors': q, k = I + U(0, noise), v = U(0, noise), biases 0."""
+
+    def __init__(self, cfg: ModelConfig, noise: float, dtype, rngs: nnx.Rngs):
+        d = cfg.hidden_size
+        self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.q = Linear(d, d, ("embed", "embed_out"), bias=True, dtype=dtype, rngs=rngs)
+        self.k = Linear(d, d, ("embed", "embed_out"), bias=True, dtype=dtype, rngs=rngs)
+        self.v = Linear(d, d, ("embed", "embed_out"), bias=True, dtype=dtype, rngs=rngs)
+        self.q.kernel[...] = _eye_plus_uniform(rngs.params(), d, d, noise, dtype)
+        self.k.kernel[...] = _eye_plus_uniform(rngs.params(), d, d, noise, dtype)
+        self.v.kernel[...] = (noise * jax.random.uniform(rngs.params(), (d, d), dtype)).astype(dtype)
+        self.num_heads = cfg.num_heads if d % cfg.num_heads == 0 else 1
+
+    def __call__(self, x, e):
+        split = lambda t: t.reshape(*t.shape[:-1], self.num_heads, -1).astype(jnp.float32)
+        q, k, v = split(self.q(self.norm(x))), split(self.k(e)), split(self.v(e))
+        cos = jnp.sum(q * k, -1, keepdims=True) / jnp.maximum(
+            jnp.linalg.norm(q, axis=-1, keepdims=True) * jnp.linalg.norm(k, axis=-1, keepdims=True), 1e-8)
+        return x + (v * cos).reshape(x.shape).astype(x.dtype)
+
+
+class Clover2Heads(Heads):
+    """Clover-2: x_t = AD_in(h_t, E[x_{t+1}]) -> 2-layer Augmenting Block (own cache) -> norm = s.
+    Head 0: lm_head(head_norm(W0 s)); heads k >= 1 share one cell: s <- AD_cell(s, E[token]),
+    logits = lm_head(head_norm(W2 [s; E[token]])). Both norms start as the base's final norm."""
+
+    def __init__(self, hcfg: HeadsConfig, base: Llama, *, rngs: nnx.Rngs):
+        cfg, dtype, d = base.cfg, base.dtype, base.cfg.hidden_size
+        aug = [DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(hcfg.aug_layers)]
+        for layer in aug:
+            _copy_layer(base.layers[-1], layer)
+        super().__init__(hcfg, cfg, aug)
+        self.decoder_in = GateDecoder(cfg, hcfg.noise, dtype, rngs)
+        self.decoder_cell = GateDecoder(cfg, hcfg.noise, dtype, rngs)
+        self.aug_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.head_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.aug_norm.weight[...] = jnp.copy(base.norm.weight[...])
+        self.head_norm.weight[...] = jnp.copy(base.norm.weight[...])
+        self.w0 = Linear(d, d, ("embed", "embed_out"), bias=True, dtype=dtype, rngs=rngs)
+        self.w0.kernel[...] = _eye_plus_uniform(rngs.params(), d, d, hcfg.noise, dtype)
+        self.w2 = Linear(2 * d, d, ("embed", "embed_out"), bias=True, dtype=dtype, rngs=rngs)
+        self.w2.kernel[...] = _eye_plus_uniform(rngs.params(), 2 * d, d, hcfg.noise, dtype)
+
+    def _embed(self, base, token, dtype):
+        return jnp.take(token_embeddings(base, self.hcfg.embed_source, False), token, axis=0).astype(dtype)
+
+    def context(self, base, hidden, hidden_normed, next_tokens, positions, mask, cache):
+        x = self.decoder_in(hidden, self._embed(base, next_tokens, hidden.dtype))
+        x, cache = self.run_aug(x, positions, mask, cache)
+        return self.aug_norm(x), cache
+
+    def node_state(self, base, k, state, token):
+        # The root's token was fused into the context before the Augmenting Block.
+        return state if k == 0 else self.decoder_cell(state, self._embed(base, token, state.dtype))
+
+    def node_logits(self, base, k, state, token):
+        if k == 0:
+            return base.logits(self.head_norm(self.w0(state)))
+        e = self._embed(base, token, state.dtype)
+        return base.logits(self.head_norm(self.w2(jnp.concatenate([state, e], axis=-1))))
+
+
+HEAD_CLASSES = {"medusa": MedusaHeads, "clover": CloverHeads, "clover2": Clover2Heads}
+
+
+def make_heads(hcfg: HeadsConfig, base: Llama, seed: int = 0) -> Heads:
+    """Freshly initialised heads for `base` (the Augmenting Block copied from its last layer)."""
+    return HEAD_CLASSES[hcfg.method](hcfg, base, rngs=nnx.Rngs(seed))

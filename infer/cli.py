@@ -1,0 +1,147 @@
+"""What the command-line tools share: the default model, prompt files, tokenizing, EOS ids, exit codes.
+
+`infer.generate` and the benchmark read the same prompt files and turn text into ids the same way, so
+both live here. Everything a user can get wrong becomes a `CloverError`; `run_main` turns it into one
+`error: ...` line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+from clover_jax.config import ModelConfig
+from clover_jax.errors import CloverError
+
+# The shipped reference model, found from this file so the tools work from any directory.
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "reference"
+
+
+def model_dir(path: str | Path | None) -> Path:
+    """The model directory to use (`None`: the reference model); refuses one that does not exist."""
+    if path is None:
+        if not DEFAULT_MODEL_DIR.is_dir():
+            raise CloverError(f"the reference model is not at {DEFAULT_MODEL_DIR}; "
+                              "pass --model DIR with a Hugging Face checkpoint directory")
+        return DEFAULT_MODEL_DIR
+    path = Path(path)
+    if not path.is_dir():
+        raise CloverError(f"{path}: no such model directory")
+    return path
+
+
+def _first_prompt(record, where: str) -> str:
+    """The prompt of one record: {"prompt"}, Spec-Bench {"turns"} (first turn) or ShareGPT
+    {"conversations"} (first human turn)."""
+    if isinstance(record, dict):
+        if isinstance(record.get("prompt"), str):
+            return record["prompt"]
+        turns = record.get("turns")
+        if isinstance(turns, list) and turns and isinstance(turns[0], str):
+            return turns[0]
+        conv = record.get("conversations")
+        if isinstance(conv, list):
+            for turn in conv:
+                if isinstance(turn, dict) and turn.get("from") in ("human", "user") \
+                        and isinstance(turn.get("value"), str):
+                    return turn["value"]
+    raise CloverError(f"{where}: no prompt found; expected {{\"prompt\": ...}}, Spec-Bench {{\"turns\": [...]}} "
+                      "or ShareGPT {\"conversations\": [{\"from\": \"human\", \"value\": ...}]}")
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """Prompt texts from a JSONL file (one record per line) or a JSON array of records (ShareGPT's
+    usual form). See `_first_prompt` for the record formats."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CloverError(f"{path}: cannot read the prompts file ({e.__class__.__name__}: {e})") from None
+    if text.lstrip().startswith("["):
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise CloverError(f"{path}: not valid JSON ({e})") from None
+        prompts = [_first_prompt(r, f"{path}: record {i + 1}") for i, r in enumerate(records)]
+    else:
+        prompts = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise CloverError(f"{path}:{n}: not a JSON object ({e})") from None
+            prompts.append(_first_prompt(record, f"{path}:{n}"))
+    if not prompts:
+        raise CloverError(f"{path}: no prompts in the file")
+    return prompts
+
+
+def load_tokenizer(path: Path):
+    """`AutoTokenizer` from a local directory: no hub look-up, never `trust_remote_code`."""
+    from transformers import AutoTokenizer  # slow import; only the tools need it
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
+        raise CloverError(f"{path}: cannot load a tokenizer ({first})") from None
+
+
+def encode(tokenizer, text: str, chat: bool = False, bos_id: int | None = None) -> list[int]:
+    """Token ids of a prompt, with the special tokens the tokenizer adds by default (Llama's BOS).
+
+    With `chat`, the text is the user turn of the tokenizer's chat template, rendered with the
+    assistant's opening; the template writes its own special tokens, so none are added on top. An
+    empty prompt becomes [BOS] when there is one: the model needs at least one token.
+    """
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise CloverError("--chat: the tokenizer has no chat template; drop --chat or use a chat model's tokenizer")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+    ids = [int(i) for i in ids]
+    if not ids:
+        bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else bos_id
+        if bos is None:
+            raise CloverError("the prompt is empty and the tokenizer has no BOS token to start from; give a prompt")
+        ids = [int(bos)]
+    return ids
+
+
+def eos_ids(path: Path, cfg: ModelConfig, tokenizer) -> tuple[int, ...]:
+    """Every id that ends generation: config.json's, generation_config.json's and the tokenizer's."""
+    ids = set(cfg.eos_token_ids)
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+        except (OSError, json.JSONDecodeError) as e:
+            raise CloverError(f"{gen}: cannot be read as JSON ({e})") from None
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(int(i) for i in ids))
+
+
+def run_main(body: Callable[[], int]) -> int:
+    """Run a tool's body; a user error prints one `error:` line on stderr and returns 2."""
+    try:
+        return body()
+    except (CloverError, OSError) as e:  # OSError: a file that vanished or cannot be read mid-run
+        message = " ".join(str(e).split("\n"))
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+
+
+def batches(items: Sequence, size: int) -> list[Sequence]:
+    """`items` in consecutive chunks of at most `size`."""
+    if size < 1:
+        raise CloverError(f"--batch-size {size} must be >= 1")
+    return [items[i:i + size] for i in range(0, len(items), size)]

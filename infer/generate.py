@@ -1,0 +1,136 @@
+"""Generate text with a Llama-family model from the command line.
+
+    python -m infer.generate --prompt "def fibonacci(n):"
+
+The generated text (prompt excluded) goes to stdout, one statistics line to stderr. A user error
+(bad checkpoint, prompt too long, bad sampling setting) prints one `error:` line and exits with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import jax.numpy as jnp
+
+from clover_jax.config import ModelConfig
+from clover_jax.convert import load_pretrained
+from clover_jax.decode import Generator
+from clover_jax.errors import CloverError
+from clover_jax.model import Llama
+from clover_jax.sampling import SamplingConfig
+from infer import cli
+
+# Decoding methods; the speculative ones add their heads and tree flags in `make_generator`.
+METHODS = ("plain",)
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+EPILOG = """\
+examples:
+  python -m infer.generate --prompt "def fibonacci(n):"
+  python -m infer.generate --prompt "import os" --temperature 0.8 --top-p 0.95 --seed 1
+  python -m infer.generate --model path/to/llama --chat --prompt "What is a KV cache?"
+  python -m infer.generate --prompts question.jsonl --batch-size 4 --json > answers.jsonl
+
+A prompts file holds one JSON object per line: {"prompt": ...}, Spec-Bench's {"turns": [...]}
+(the first turn is used) or ShareGPT's {"conversations": [...]} (the first human turn); a ShareGPT
+JSON array is read too.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m infer.generate",
+        description="Generate text with a Llama-family model (a Hugging Face checkpoint directory) in JAX.\n"
+                    "Prints the generated text (prompt excluded) on stdout, one statistics line on stderr.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", metavar="DIR",
+                   help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files) "
+                        f"(default: the shipped reference model, {cli.DEFAULT_MODEL_DIR})")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", metavar="TEXT", help="one prompt, as text")
+    src.add_argument("--prompts", metavar="FILE",
+                     help="JSONL file of prompts: {\"prompt\"}, Spec-Bench {\"turns\"} or ShareGPT "
+                          "{\"conversations\"} records (see below)")
+    p.add_argument("--chat", action="store_true",
+                   help="wrap each prompt as a user turn in the tokenizer's chat template, "
+                        "ending with the assistant's opening")
+    p.add_argument("--method", choices=METHODS, default="plain",
+                   help="decoding method (default: %(default)s: one token per forward pass)")
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
+                   help="most tokens to generate per prompt; generation also stops at EOS (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="sampling temperature; 0 means greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="nucleus sampling: keep the most likely tokens up to this mass; 1 turns it off "
+                        "(default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="keep only the K most likely tokens; 0 turns it off (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, metavar="S",
+                   help="random seed for sampling; batch i of --prompts uses S+i (default: %(default)s)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                   help="dtype of weights and activations (default: %(default)s)")
+    p.add_argument("--max-len", type=int, metavar="N",
+                   help="KV cache positions: prompt plus new tokens must fit "
+                        "(default: the model's max_position_embeddings)")
+    p.add_argument("--batch-size", type=int, default=8, metavar="N",
+                   help="prompts of --prompts generated together in one batch (default: %(default)s)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object per prompt (prompt, text, tokens, num_tokens) instead of text "
+                        "separated by '---' lines")
+    return p
+
+
+def make_generator(args: argparse.Namespace, model: Llama) -> Generator:
+    """The generator for `args.method` (speculative methods will load their heads and tree here)."""
+    if args.max_len is not None and args.max_len < 2:
+        raise CloverError(f"--max-len {args.max_len} must be >= 2 (a prompt token plus a new one)")
+    if args.method == "plain":
+        return Generator(model, max_len=args.max_len)
+    raise CloverError(f"--method {args.method}: not implemented")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    path = cli.model_dir(args.model)
+    cfg = ModelConfig.from_pretrained(path)
+    tokenizer = cli.load_tokenizer(path)
+    texts = [args.prompt] if args.prompt is not None else cli.read_prompts(args.prompts)
+    prompts = [cli.encode(tokenizer, t, chat=args.chat, bos_id=cfg.bos_token_id) for t in texts]
+    eos = cli.eos_ids(path, cfg, tokenizer)
+    groups = cli.batches(list(range(len(prompts))), args.batch_size)
+
+    _, model = load_pretrained(path, dtype=DTYPES[args.dtype])
+    generator = make_generator(args, model)
+    new_tokens = steps = 0
+    compile_s = run_s = 0.0
+    for k, group in enumerate(groups):
+        out = generator.generate([prompts[i] for i in group], args.max_new_tokens, sampling=sampling,
+                                 seed=args.seed + k, eos_ids=eos)
+        new_tokens += out.num_new_tokens
+        steps += out.steps
+        compile_s += out.compile_seconds
+        run_s += out.run_seconds
+        for i, tokens in zip(group, out.tokens):
+            text = tokenizer.decode(tokens, skip_special_tokens=True)
+            if args.json:
+                print(json.dumps({"prompt": texts[i], "text": text, "tokens": tokens, "num_tokens": len(tokens)},
+                                 ensure_ascii=False))
+            else:
+                if i:
+                    print("---")
+                print(text)
+        sys.stdout.flush()
+    print(f"[{args.method}] new_tokens={new_tokens} steps={steps} tokens/s={new_tokens / max(run_s, 1e-9):.1f} "
+          f"compile={compile_s:.2f}s run={run_s:.2f}s", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return cli.run_main(lambda: _generate(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

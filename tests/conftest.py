@@ -1,0 +1,116 @@
+"""Shared fixtures: tiny random Hugging Face models of every supported family, saved to disk.
+
+Each family is built once per session (seeded, float32) with its weights re-drawn at a scale that
+gives logits of order one, norm weights away from one and non-zero q/k/v biases, so a parity test
+at 1e-4 cannot pass by accident on near-zero activations or untouched defaults.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from clover_jax.convert import load_pretrained
+
+VOCAB = 64
+EOS, BOS, PAD = 2, 1, 0
+_COMMON = dict(vocab_size=VOCAB, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=256,
+               rms_norm_eps=1e-6, eos_token_id=EOS, bos_token_id=BOS, pad_token_id=PAD)
+# llama3 scaling with original_max_position_embeddings < max_position_embeddings and head_dim 16 so
+# one frequency falls in the smoothed band (wavelength ~32 between 64/4 and 64/1) and two are divided.
+_LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=64)
+
+FAMILIES = {
+    "llama2": (LlamaConfig, LlamaForCausalLM, dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=4,
+                                                   rope_theta=10000.0)),
+    "llama3-gqa4x2": (LlamaConfig, LlamaForCausalLM, dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                                          rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE)),
+    "llama3-gqa8x2": (LlamaConfig, LlamaForCausalLM, dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+                                                          head_dim=16, rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE)),
+    "mistral": (MistralConfig, MistralForCausalLM, dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                                        head_dim=8, sliding_window=None, rope_theta=10000.0)),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                                  tie_word_embeddings=True, use_sliding_window=False,
+                                                  sliding_window=None, rope_theta=1000000.0)),
+}
+FAMILY_NAMES = tuple(FAMILIES)
+
+
+def build_hf_model(family: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny random float32 HF model of `family`, in eval mode."""
+    config_cls, model_cls, kwargs = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = config_cls(**_COMMON, **kwargs)
+    config._attn_implementation = "eager"
+    model = model_cls(config).to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # tied weights appear once
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+            elif "embed_tokens" in name:
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))  # tied: also the output projection
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """Factory: family -> (hf_model, checkpoint dir), built and `save_pretrained` once per session."""
+    made: dict = {}
+
+    def make(family: str):
+        if family not in made:
+            model = build_hf_model(family)
+            path = tmp_path_factory.mktemp(re.sub(r"\W", "_", family))
+            model.save_pretrained(path)
+            made[family] = (model, path)
+        return made[family]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def loaded(hf_checkpoint):
+    """Factory: family -> (hf_model, dir, ModelConfig, our Llama loaded from dir), cached."""
+    made: dict = {}
+
+    def make(family: str):
+        if family not in made:
+            hf, path = hf_checkpoint(family)
+            cfg, model = load_pretrained(path)
+            made[family] = (hf, path, cfg, model)
+        return made[family]
+
+    return make
+
+
+def hf_logits(model: torch.nn.Module, tokens) -> np.ndarray:
+    """HF full-forward logits [B, T, V] for equal-length token rows (no padding)."""
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
+
+
+def random_tokens(batch: int, length: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(3, VOCAB, size=(batch, length), dtype=np.int32)
+
+
+def assert_one_line(excinfo) -> None:
+    message = str(excinfo.value)
+    assert message and "\n" not in message, message

@@ -1,0 +1,121 @@
+"""Plain generation: greedy equals Hugging Face `generate` token for token; budgets, EOS, buckets,
+compile accounting and bad prompts."""
+
+import numpy as np
+import pytest
+import torch
+
+from clover_jax.decode import Generator
+from clover_jax.errors import CloverError
+from conftest import VOCAB, assert_one_line
+
+PROMPTS = [[1, 7, 8, 9], [1, 3, 4, 22, 23, 24, 25, 60, 12, 40, 41], [1, 5]]
+MAX_NEW = 10
+
+
+def hf_greedy(hf, prompt, max_new, eos=None) -> list[int]:
+    """HF greedy continuation of one unpadded prompt (EOS included when hit)."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
+                          eos_token_id=eos, pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def llama2(loaded):
+    hf, _, _, model = loaded("llama2")
+    return hf, Generator(model)
+
+
+def pick_eos(hf) -> int:
+    """A token that greedy decoding of PROMPTS[1] emits mid-way, so that sequence stops early."""
+    free = hf_greedy(hf, PROMPTS[1], MAX_NEW, eos=[])
+    return free[3]
+
+
+@pytest.mark.parametrize("family", ["llama2", "llama3-gqa8x2", "qwen2"])
+def test_greedy_matches_hf(loaded, family):
+    """Batch 3 with prompts of different lengths, EOS from config.json (none hit), then batch 1."""
+    hf, _, cfg, model = loaded(family)
+    gen = Generator(model)
+    out = gen.generate(PROMPTS, MAX_NEW)
+    for prompt, got in zip(PROMPTS, out.tokens):
+        want = hf_greedy(hf, prompt, MAX_NEW, eos=list(cfg.eos_token_ids))
+        assert got == want
+    assert out.steps <= MAX_NEW
+    single = gen.generate(PROMPTS[:1], MAX_NEW)
+    assert single.tokens == out.tokens[:1]
+
+
+def test_greedy_stops_at_eos_like_hf(llama2):
+    hf, gen = llama2
+    eos = pick_eos(hf)
+    out = gen.generate(PROMPTS, MAX_NEW, eos_ids=[eos])
+    assert out.tokens[1][-1] == eos and len(out.tokens[1]) <= 4  # stopped early, EOS kept
+    for prompt, got in zip(PROMPTS, out.tokens):
+        want = hf_greedy(hf, prompt, MAX_NEW, eos=eos)
+        assert got == want
+        assert eos not in got[:-1]
+
+
+def test_per_sequence_budgets(llama2):
+    hf, gen = llama2
+    full = gen.generate(PROMPTS, MAX_NEW, eos_ids=[])
+    assert [len(t) for t in full.tokens] == [MAX_NEW] * 3
+    out = gen.generate(PROMPTS, MAX_NEW, eos_ids=[], budgets=[2, 0, 7])
+    assert [len(t) for t in out.tokens] == [2, 0, 7]
+    assert out.tokens[0] == full.tokens[0][:2] == hf_greedy(hf, PROMPTS[0], 2, eos=[])
+    assert out.tokens[2] == full.tokens[2][:7]
+    # A budget above max_new_tokens is capped by it.
+    capped = gen.generate(PROMPTS[:1], 3, eos_ids=[], budgets=[50])
+    assert capped.tokens == [full.tokens[0][:3]]
+
+
+def test_compiles_once_per_bucket(loaded):
+    _, _, _, model = loaded("llama2")
+    gen = Generator(model)
+    first = gen.generate([[1, 2, 3]], 4)
+    assert gen.compilations == 1 and first.compile_seconds > 0
+    same_bucket = gen.generate([[1, 2, 3, 4, 5, 6, 7]], 4)
+    assert gen.compilations == 1 and same_bucket.compile_seconds == 0
+    longer = gen.generate([list(range(3, 43))], 4)  # 40 tokens: the next bucket
+    assert gen.compilations == 2 and longer.compile_seconds > 0
+    gen.generate([[1, 2]], 4)
+    assert gen.compilations == 2
+
+
+def test_prompt_longer_than_cache(loaded):
+    _, _, _, model = loaded("llama2")
+    gen = Generator(model, max_len=32)
+    with pytest.raises(CloverError, match=r"prompt of 30 tokens \+ 8 new tokens exceeds the cache of 32") as excinfo:
+        gen.generate([list(range(3, 33))], 8)
+    assert_one_line(excinfo)
+    assert gen.compilations == 0
+
+
+@pytest.mark.parametrize("prompts, match", [
+    ([[1, VOCAB]], r"prompt token ids must be in \[0, 64\)"),
+    ([[1, 2], [-1]], r"prompt token ids must be in \[0, 64\)"),
+    ([[1, 2], []], r"every prompt must have at least one token"),
+    ([], r"every prompt must have at least one token"),
+])
+def test_bad_prompts(loaded, prompts, match):
+    gen = Generator(loaded("llama2")[3])
+    with pytest.raises(CloverError, match=match) as excinfo:
+        gen.generate(prompts, 4)
+    assert_one_line(excinfo)
+
+
+def test_bad_max_new_tokens(loaded):
+    gen = Generator(loaded("llama2")[3])
+    with pytest.raises(CloverError, match=r"max_new_tokens=0 must be >= 1") as excinfo:
+        gen.generate([[1, 2]], 0)
+    assert_one_line(excinfo)
+
+
+def test_output_accounting(llama2):
+    _, gen = llama2
+    out = gen.generate(PROMPTS, 5, eos_ids=[])
+    assert out.num_new_tokens == 15 and out.steps == 5
+    assert out.run_seconds > 0 and out.tokens_per_second > 0
+    assert np.asarray(out.state.num_new).tolist() == [5, 5, 5]

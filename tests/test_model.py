@@ -1,0 +1,177 @@
+"""The JAX base model against Hugging Face (PyTorch) on tiny random models of every family, and the
+cache/tree masks against a cache-free forward."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from clover_jax.cache import causal_mask, tree_mask
+from clover_jax.config import ModelConfig, rope_inv_freq
+from clover_jax.model import Llama, causal_self_mask
+from conftest import FAMILY_NAMES, hf_logits, random_tokens
+
+TOL = 1e-4
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef, state, tokens, pos, mask, cache):
+    return nnx.merge(graphdef, state)(tokens, pos, mask, cache)
+
+
+def forward(model, tokens, pos, mask, cache=None):
+    """`model(...)` compiled once per shape: eager op-by-op dispatch is far slower on CPU."""
+    return _forward(*nnx.split(model), jnp.asarray(tokens), pos, mask, cache)
+
+
+def positions(batch: int, length: int, start=0) -> jax.Array:
+    return jnp.asarray(start).reshape(-1, 1) + jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+
+
+def max_diff(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_prefill_logits_match_hf(loaded, family):
+    hf, _, _, model = loaded(family)
+    tokens = random_tokens(2, 12, seed=1)
+    want = hf_logits(hf, tokens)
+    free = forward(model, jnp.asarray(tokens), positions(2, 12), causal_self_mask(2, 12))
+    assert free.logits.shape == (2, 12, 64) and free.logits.dtype == jnp.float32
+    assert max_diff(free.logits, want) <= TOL
+    # The same prompt through a cache longer than the prompt: padding slots are masked out.
+    cache = model.init_cache(2, 16)
+    cached = forward(model, jnp.asarray(tokens), positions(2, 12), causal_mask(cache.lengths, 12, 16), cache)
+    assert max_diff(cached.logits, want) <= TOL
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_cached_decode_logits_match_hf(loaded, family):
+    """Prefill 5 tokens, commit 5 of row 0 and 3 of row 1, then feed one token at a time: each step's
+    logits equal HF's full forward at that position (the uncommitted slots of row 1 get overwritten)."""
+    hf, _, _, model = loaded(family)
+    tokens = random_tokens(2, 11, seed=2)
+    want = hf_logits(hf, tokens)
+    s = 16
+    cache = model.init_cache(2, s)
+    out = forward(model, jnp.asarray(tokens[:, :5]), positions(2, 5), causal_mask(cache.lengths, 5, s), cache)
+    assert max_diff(out.logits[0, 4], want[0, 4]) <= TOL
+    assert max_diff(out.logits[1, 2], want[1, 2]) <= TOL
+    cache = out.cache.advance(jnp.array([5, 3]))
+    rows = np.arange(2)
+    for _ in range(6):
+        pos = np.asarray(cache.lengths)
+        step = jnp.asarray(tokens[rows, pos])[:, None]
+        out = forward(model, step, jnp.asarray(pos)[:, None], causal_mask(cache.lengths, 1, s), cache)
+        assert max_diff(out.logits[:, 0], want[rows, pos]) <= TOL, pos
+        cache = out.cache.advance(jnp.ones(2, jnp.int32))
+    np.testing.assert_array_equal(cache.lengths, [11, 9])
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_hidden_states_match_hf(loaded, family):
+    """`hidden_normed` is HF's hidden_states[-1] (final norm applied); `hidden` is the last decoder
+    layer's output before that norm."""
+    hf, _, _, model = loaded(family)
+    tokens = random_tokens(2, 12, seed=3)  # the prefill test's shape: no new compile
+    captured = {}
+    hook = hf.model.layers[-1].register_forward_hook(
+        lambda mod, args, out: captured.__setitem__("pre", out[0] if isinstance(out, tuple) else out))
+    try:
+        with torch.no_grad():
+            ref = hf(torch.tensor(tokens, dtype=torch.long), output_hidden_states=True)
+    finally:
+        hook.remove()
+    out = forward(model, jnp.asarray(tokens), positions(2, 12), causal_self_mask(2, 12))
+    assert max_diff(out.hidden_normed, ref.hidden_states[-1].numpy()) <= TOL
+    assert max_diff(out.hidden, captured["pre"].numpy()) <= TOL
+    assert max_diff(model.norm(out.hidden), out.hidden_normed) <= 1e-6
+
+
+def test_llama3_rope_scaling_bends_frequencies(loaded):
+    """The llama3 fixture really exercises all three bands: kept, smoothed and divided by `factor`."""
+    _, _, cfg, _ = loaded("llama3-gqa4x2")
+    assert cfg.rope_scaling == ("llama3", 8.0, 1.0, 4.0, 64) and cfg.rope_theta == 500000.0
+    scaled = rope_inv_freq(cfg)
+    plain = rope_inv_freq(dataclasses.replace(cfg, rope_scaling=None))
+    ratio = plain / scaled
+    assert np.isclose(ratio[0], 1.0)
+    assert np.any(np.isclose(ratio, 8.0))
+    assert np.any((ratio > 1.01) & (ratio < 7.99)), ratio
+
+
+# ---------------------------------------------------------------- cache and tree masks against a cache-free forward
+
+
+@pytest.fixture(scope="module")
+def base(loaded):
+    """A model with weights of HF's random scale (logits of order one), so 1e-5 means something."""
+    return loaded("llama3-gqa4x2")[3]
+
+
+def test_prefill_then_decode_equals_cache_free_forward(base):
+    tokens = jnp.asarray(random_tokens(2, 10, seed=4))
+    full = forward(base, tokens, positions(2, 10), causal_self_mask(2, 10)).logits
+    s = 12
+    cache = base.init_cache(2, s)
+    out = forward(base, tokens[:, :6], positions(2, 6), causal_mask(cache.lengths, 6, s), cache)
+    got = [out.logits]
+    cache = out.cache.advance(jnp.full((2,), 6))
+    for t in range(6, 10):
+        out = forward(base, tokens[:, t:t + 1], positions(2, 1, t), causal_mask(cache.lengths, 1, s), cache)
+        got.append(out.logits)
+        cache = out.cache.advance(jnp.ones(2, jnp.int32))
+    assert max_diff(jnp.concatenate(got, axis=1), full) <= 1e-5
+
+
+def test_tree_mask_of_a_chain_is_causal():
+    lengths = jnp.array([0, 3, 7])
+    chain = jnp.tril(jnp.ones((5, 5), bool))
+    np.testing.assert_array_equal(tree_mask(lengths, chain, 16), causal_mask(lengths, 5, 16))
+
+
+def test_tree_mask_hand_example():
+    #   node 0 -> nodes 1 and 2 (siblings), committed prefix of 2 slots, 6 slots in all
+    anc = jnp.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)
+    want = np.array([[1, 1, 1, 0, 0, 0],
+                     [1, 1, 1, 1, 0, 0],
+                     [1, 1, 1, 0, 1, 0]], bool)
+    np.testing.assert_array_equal(tree_mask(jnp.array([2]), anc, 6)[0], want)
+
+
+def test_tree_forward_equals_each_path_forward(base):
+    """A branching tree in one forward: every node's logits equal the causal forward of its path."""
+    prefix = jnp.asarray(random_tokens(1, 4, seed=5))
+    root, a, b = 10, 20, 30
+    s = 8
+    cache = base.init_cache(1, s)
+    cache = forward(base, prefix, positions(1, 4), causal_mask(cache.lengths, 4, s), cache).cache.advance(jnp.array([4]))
+    anc = jnp.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)
+    tree = forward(base, jnp.array([[root, a, b]]), jnp.array([[4, 5, 5]]), tree_mask(cache.lengths, anc, s), cache).logits
+    # The three paths as rows of one causal forward; node 0's logits sit one position earlier.
+    paths = jnp.concatenate([jnp.repeat(prefix, 3, axis=0), jnp.array([[root, 0], [root, a], [root, b]])], axis=1)
+    ref = forward(base, paths, positions(3, 6), causal_self_mask(3, 6)).logits
+    assert max_diff(tree[0], jnp.stack([ref[0, 4], ref[1, 5], ref[2, 5]])) <= 1e-5
+
+
+def test_shapes_via_eval_shape():
+    cfg = ModelConfig.tiny(tie_word_embeddings=True, qkv_bias=True)
+    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    assert model.lm_head is None
+    graphdef, state = nnx.split(model)
+
+    def fwd(state, tokens):
+        m = nnx.merge(graphdef, state)
+        c = m.init_cache(3, 20)
+        return m(tokens, jnp.zeros((3, 5), jnp.int32), causal_mask(c.lengths, 5, 20), c)
+
+    out = jax.eval_shape(fwd, state, jax.ShapeDtypeStruct((3, 5), jnp.int32))
+    assert out.logits.shape == (3, 5, 64) and out.hidden.shape == out.hidden_normed.shape == (3, 5, 32)
+    assert out.cache.k.shape == (2, 3, 20, 2, 8)
+    assert sum(np.prod(v.shape) for v in jax.tree.leaves(state)) == cfg.num_params
