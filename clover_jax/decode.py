@@ -95,11 +95,18 @@ class GenerationOutput:
     steps: int  # forward passes after the prefill
     compile_seconds: float  # 0 when the program was already compiled
     run_seconds: float
-    state: DecodeState | None = None  # final device state, for statistics
+    sequence_steps: list[int] = dataclasses.field(default_factory=list)  # forward passes each sequence took
+    accept_hist: np.ndarray | None = None  # [B, D+1] speculative steps accepting d drafted tokens
+    state: object = None  # final device state, for further statistics
 
     @property
     def num_new_tokens(self) -> int:
         return sum(len(t) for t in self.tokens)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per forward pass (bonus token included; plain decoding has 1.0)."""
+        return self.num_new_tokens / max(sum(self.sequence_steps), 1)
 
     @property
     def tokens_per_second(self) -> float:
@@ -186,5 +193,9 @@ class Generator:
             raise CloverError("the model produced non-finite logits (NaN/Inf); check the weights, or try --dtype float32")
         num = np.asarray(state.num_new)
         toks = np.asarray(state.tokens)
-        return GenerationOutput(tokens=[toks[i, : num[i]].tolist() for i in range(b)], steps=int(state.step) + 1,
-                                compile_seconds=compile_s, run_seconds=run_s, state=state)
+        tokens = [toks[i, : num[i]].tolist() for i in range(b)]
+        hist = np.asarray(state.accept_hist) if hasattr(state, "accept_hist") else None
+        # The prefill's forward pass yields each sequence's first token.
+        seq_steps = (hist.sum(-1) + 1).tolist() if hist is not None else [len(t) for t in tokens]
+        return GenerationOutput(tokens=tokens, steps=int(state.step) + 1, compile_seconds=compile_s,
+                                run_seconds=run_s, sequence_steps=seq_steps, accept_hist=hist, state=state)

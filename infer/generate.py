@@ -14,21 +14,26 @@ import sys
 
 import jax.numpy as jnp
 
+from clover_jax.checkpoint import load_heads
 from clover_jax.config import ModelConfig
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import Generator
 from clover_jax.errors import CloverError
+from clover_jax.heads import DEFAULT_NUM_HEADS, METHODS as HEAD_METHODS, HeadsConfig, make_heads
 from clover_jax.model import Llama
 from clover_jax.sampling import SamplingConfig
+from clover_jax.speculative import SpeculativeGenerator
+from clover_jax.tree import resolve_tree
 from infer import cli
 
-# Decoding methods; the speculative ones add their heads and tree flags in `make_generator`.
-METHODS = ("plain",)
+METHODS = ("plain",) + HEAD_METHODS
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 EPILOG = """\
 examples:
   python -m infer.generate --prompt "def fibonacci(n):"
+  python -m infer.generate --method clover2 --prompt "def fibonacci(n):"
+  python -m infer.generate --method medusa --heads random --tree chain:3 --prompt "import os"
   python -m infer.generate --prompt "import os" --temperature 0.8 --top-p 0.95 --seed 1
   python -m infer.generate --model path/to/llama --chat --prompt "What is a KV cache?"
   python -m infer.generate --prompts question.jsonl --batch-size 4 --json > answers.jsonl
@@ -57,7 +62,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wrap each prompt as a user turn in the tokenizer's chat template, "
                         "ending with the assistant's opening")
     p.add_argument("--method", choices=METHODS, default="plain",
-                   help="decoding method (default: %(default)s: one token per forward pass)")
+                   help="decoding method: plain (one token per forward pass) or speculative decoding with "
+                        "medusa, clover or clover2 draft heads (default: %(default)s)")
+    p.add_argument("--heads", metavar="DIR",
+                   help="draft heads directory written by train.train, or 'random' for untrained heads "
+                        "(default: MODEL/heads/METHOD, the heads shipped beside the model)")
+    p.add_argument("--tree", metavar="SPEC",
+                   help="draft tree: a name (mc_sim_7b_63), chain:D, full:WxD, widths:W1,W2,..., a JSON "
+                        "list of paths such as [[0],[1],[0,0]], or a JSON file of one (default: the "
+                        "method's default tree)")
+    p.add_argument("--num-heads", type=int, metavar="K",
+                   help="number of heads with --heads random (default: medusa 4, clover 3, clover2 5)")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
                    help="most tokens to generate per prompt; generation also stops at EOS (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
@@ -88,7 +103,17 @@ def make_generator(args: argparse.Namespace, model: Llama) -> Generator:
         raise CloverError(f"--max-len {args.max_len} must be >= 2 (a prompt token plus a new one)")
     if args.method == "plain":
         return Generator(model, max_len=args.max_len)
-    raise CloverError(f"--method {args.method}: not implemented")
+    if args.heads == "random":
+        heads = make_heads(HeadsConfig(args.method, args.num_heads or DEFAULT_NUM_HEADS[args.method]), model,
+                           seed=args.seed)
+    else:
+        heads_dir = args.heads or str(cli.model_dir(args.model) / "heads" / args.method)
+        if args.heads is None and not (cli.model_dir(args.model) / "heads" / args.method).is_dir():
+            raise CloverError(f"no {args.method} heads at {heads_dir}; pass --heads DIR, or --heads random "
+                              "for untrained heads")
+        heads = load_heads(heads_dir, model, args.method)
+    tree = resolve_tree(args.tree, args.method, heads.num_heads)
+    return SpeculativeGenerator(model, heads, tree, max_len=args.max_len)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -104,12 +129,14 @@ def _generate(args: argparse.Namespace) -> int:
     _, model = load_pretrained(path, dtype=DTYPES[args.dtype])
     generator = make_generator(args, model)
     new_tokens = steps = 0
+    seq_steps = 0
     compile_s = run_s = 0.0
     for k, group in enumerate(groups):
         out = generator.generate([prompts[i] for i in group], args.max_new_tokens, sampling=sampling,
                                  seed=args.seed + k, eos_ids=eos)
         new_tokens += out.num_new_tokens
         steps += out.steps
+        seq_steps += sum(out.sequence_steps)
         compile_s += out.compile_seconds
         run_s += out.run_seconds
         for i, tokens in zip(group, out.tokens):
@@ -122,7 +149,8 @@ def _generate(args: argparse.Namespace) -> int:
                     print("---")
                 print(text)
         sys.stdout.flush()
-    print(f"[{args.method}] new_tokens={new_tokens} steps={steps} tokens/s={new_tokens / max(run_s, 1e-9):.1f} "
+    tau = new_tokens / max(seq_steps, 1)
+    print(f"[{args.method}] new_tokens={new_tokens} steps={steps} tau={tau:.2f} tokens/s={new_tokens / max(run_s, 1e-9):.1f} "
           f"compile={compile_s:.2f}s run={run_s:.2f}s", file=sys.stderr)
     return 0
 

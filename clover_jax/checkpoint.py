@@ -1,0 +1,101 @@
+"""Draft heads on disk: `heads.safetensors` + `heads.json` (config and the base model's fingerprint).
+
+Heads only make sense on the base model they were trained for, so the JSON carries a fingerprint of
+that model (architecture plus a digest of a few of its weights), and loading onto any other base is
+refused with one line. Files are written under temporary names and renamed into place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from clover_jax.errors import CloverError
+from clover_jax.heads import Heads, HeadsConfig, make_heads
+from clover_jax.model import Llama
+
+WEIGHTS = "heads.safetensors"
+CONFIG = "heads.json"
+
+
+def base_fingerprint(base: Llama) -> str:
+    """Architecture + digest of the final norm and a few lm_head rows, rounded to bfloat16 so the same
+    checkpoint loaded in float32 or bfloat16 has one fingerprint."""
+    h = hashlib.sha256(base.cfg.fingerprint().encode())
+    rows = base.lm_head_weight()
+    for array in (base.norm.weight[...], rows[:8], rows[-8:]):
+        h.update(np.asarray(jax.device_get(array)).astype(ml_dtypes.bfloat16).tobytes())
+    return h.hexdigest()[:24]
+
+
+def _flat_params(heads: Heads) -> dict[str, jax.Array]:
+    return {".".join(str(p) for p in path): var[...] for path, var in nnx.to_flat_state(nnx.state(heads, nnx.Param))}
+
+
+def save_heads(heads: Heads, base: Llama, out_dir: str | Path, extra: dict | None = None) -> Path:
+    """Write the heads and their config (plus `extra` metadata, e.g. training figures) to `out_dir`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: np.asarray(jax.device_get(v)) for k, v in _flat_params(heads).items()}
+    tmp = out / (WEIGHTS + ".tmp")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, out / WEIGHTS)
+    meta = {"heads": dataclasses.asdict(heads.hcfg), "base_fingerprint": base_fingerprint(base),
+            "base_model_type": base.cfg.model_type, "base_hidden_size": base.cfg.hidden_size,
+            "base_vocab_size": base.cfg.vocab_size, **(extra or {})}
+    tmp = out / (CONFIG + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=2) + "\n")
+    os.replace(tmp, out / CONFIG)
+    return out
+
+
+def read_heads_config(heads_dir: str | Path) -> dict:
+    path = Path(heads_dir) / CONFIG
+    if not path.is_file():
+        raise CloverError(f"{heads_dir}: no {CONFIG}; point --heads at a directory written by train.train")
+    try:
+        meta = json.loads(path.read_text())
+        HeadsConfig(**meta["heads"])
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CloverError(f"{path}: not a valid heads config ({e})") from None
+    return meta
+
+
+def load_heads(heads_dir: str | Path, base: Llama, method: str | None = None) -> Heads:
+    """Load heads for `base`; refuses heads of another method or trained for another base model."""
+    meta = read_heads_config(heads_dir)
+    hcfg = HeadsConfig(**meta["heads"])
+    if method is not None and hcfg.method != method:
+        raise CloverError(f"{heads_dir}: holds {hcfg.method} heads, not {method}; pass matching --method and --heads")
+    if meta.get("base_fingerprint") != base_fingerprint(base):
+        raise CloverError(f"{heads_dir}: these heads were trained for another base model "
+                          f"(fingerprint {meta.get('base_fingerprint')}); train heads for this model")
+    try:
+        stored = load_file(str(Path(heads_dir) / WEIGHTS))
+    except Exception as e:  # safetensors' own error types for missing or corrupt files
+        raise CloverError(f"{heads_dir}: cannot read {WEIGHTS} ({e})") from None
+    heads = make_heads(hcfg, base)
+    expected = _flat_params(heads)
+    missing = sorted(set(expected) - set(stored))
+    extra = sorted(set(stored) - set(expected))
+    if missing or extra:
+        name = (missing or extra)[0]
+        raise CloverError(f"{heads_dir}: heads file {'lacks' if missing else 'has unexpected'} tensor {name}")
+    leaves = []
+    for path, var in nnx.to_flat_state(nnx.state(heads, nnx.Param)):
+        name = ".".join(str(p) for p in path)
+        if stored[name].shape != var[...].shape:
+            raise CloverError(f"{heads_dir}: tensor {name} has shape {list(stored[name].shape)}, expected {list(var[...].shape)}")
+        leaves.append((path, var.replace(jnp.asarray(stored[name], dtype=var[...].dtype))))
+    nnx.update(heads, nnx.from_flat_state(leaves))
+    return heads
