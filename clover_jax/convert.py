@@ -103,7 +103,7 @@ def load_pretrained(model_dir: str | Path, dtype=jnp.float32,
     leaves = []
     for path, var in flat:
         name, transpose = hf_name(path)
-        shape = tuple(var.value.shape)
+        shape = tuple(var.get_value().shape)
         if name not in files.where:
             raise CloverError(f"{model_dir}: checkpoint is missing tensor {name} (expected shape {list(shape[::-1] if transpose else shape)})")
         stored = files.shape(name)
@@ -145,7 +145,7 @@ def save_pretrained(model: Llama, out_dir: str | Path, dtype=jnp.bfloat16,
     tensors: dict[str, np.ndarray] = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name, transpose = hf_name(path)
-        array = np.asarray(jax.device_get(var.value.astype(dtype)))
+        array = np.asarray(jax.device_get(var[...].astype(dtype)))
         tensors[name] = np.ascontiguousarray(array.T if transpose else array)
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0

@@ -23,9 +23,14 @@ from transformers import (
 )
 
 from clover_jax.convert import load_pretrained
+from clover_jax.decode import Generator
 
 VOCAB = 64
 EOS, BOS, PAD = 2, 1, 0
+# Generation prompts of different lengths (one bucket) shared by the decode and sampling tests, so the
+# session-wide generator compiles each program once.
+PROMPTS = [[1, 7, 8, 9], [1, 3, 4, 22, 23, 24, 25, 60, 12, 40, 41], [1, 5]]
+MAX_NEW = 10
 _COMMON = dict(vocab_size=VOCAB, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=256,
                rms_norm_eps=1e-6, eos_token_id=EOS, bos_token_id=BOS, pad_token_id=PAD)
 # llama3 scaling with original_max_position_embeddings < max_position_embeddings and head_dim 16 so
@@ -99,6 +104,12 @@ def loaded(hf_checkpoint):
         return made[family]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def llama2_generator(loaded):
+    """One Generator over the llama2 model for the whole session, so its compiled programs are shared."""
+    return Generator(loaded("llama2")[3])
 
 
 def hf_logits(model: torch.nn.Module, tokens) -> np.ndarray:

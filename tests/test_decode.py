@@ -7,10 +7,7 @@ import torch
 
 from clover_jax.decode import Generator
 from clover_jax.errors import CloverError
-from conftest import VOCAB, assert_one_line
-
-PROMPTS = [[1, 7, 8, 9], [1, 3, 4, 22, 23, 24, 25, 60, 12, 40, 41], [1, 5]]
-MAX_NEW = 10
+from conftest import MAX_NEW, PROMPTS, VOCAB, assert_one_line
 
 
 def hf_greedy(hf, prompt, max_new, eos=None) -> list[int]:
@@ -22,9 +19,8 @@ def hf_greedy(hf, prompt, max_new, eos=None) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def llama2(loaded):
-    hf, _, _, model = loaded("llama2")
-    return hf, Generator(model)
+def llama2(loaded, llama2_generator):
+    return loaded("llama2")[0], llama2_generator
 
 
 def pick_eos(hf) -> int:
@@ -35,7 +31,7 @@ def pick_eos(hf) -> int:
 
 @pytest.mark.parametrize("family", ["llama2", "llama3-gqa8x2", "qwen2"])
 def test_greedy_matches_hf(loaded, family):
-    """Batch 3 with prompts of different lengths, EOS from config.json (none hit), then batch 1."""
+    """Batch 3 with prompts of different lengths, EOS from config.json; batch 1 for one family."""
     hf, _, cfg, model = loaded(family)
     gen = Generator(model)
     out = gen.generate(PROMPTS, MAX_NEW)
@@ -43,8 +39,9 @@ def test_greedy_matches_hf(loaded, family):
         want = hf_greedy(hf, prompt, MAX_NEW, eos=list(cfg.eos_token_ids))
         assert got == want
     assert out.steps <= MAX_NEW
-    single = gen.generate(PROMPTS[:1], MAX_NEW)
-    assert single.tokens == out.tokens[:1]
+    if family == "llama2":
+        single = gen.generate(PROMPTS[1:2], MAX_NEW)
+        assert single.tokens == out.tokens[1:2]
 
 
 def test_greedy_stops_at_eos_like_hf(llama2):
@@ -67,8 +64,8 @@ def test_per_sequence_budgets(llama2):
     assert out.tokens[0] == full.tokens[0][:2] == hf_greedy(hf, PROMPTS[0], 2, eos=[])
     assert out.tokens[2] == full.tokens[2][:7]
     # A budget above max_new_tokens is capped by it.
-    capped = gen.generate(PROMPTS[:1], 3, eos_ids=[], budgets=[50])
-    assert capped.tokens == [full.tokens[0][:3]]
+    capped = gen.generate(PROMPTS, MAX_NEW, eos_ids=[], budgets=[50, 1, 3])
+    assert capped.tokens == [full.tokens[0], full.tokens[1][:1], full.tokens[2][:3]]
 
 
 def test_compiles_once_per_bucket(loaded):
@@ -99,23 +96,22 @@ def test_prompt_longer_than_cache(loaded):
     ([[1, 2], []], r"every prompt must have at least one token"),
     ([], r"every prompt must have at least one token"),
 ])
-def test_bad_prompts(loaded, prompts, match):
-    gen = Generator(loaded("llama2")[3])
+def test_bad_prompts(llama2_generator, prompts, match):
+    gen = llama2_generator
     with pytest.raises(CloverError, match=match) as excinfo:
         gen.generate(prompts, 4)
     assert_one_line(excinfo)
 
 
-def test_bad_max_new_tokens(loaded):
-    gen = Generator(loaded("llama2")[3])
+def test_bad_max_new_tokens(llama2_generator):
     with pytest.raises(CloverError, match=r"max_new_tokens=0 must be >= 1") as excinfo:
-        gen.generate([[1, 2]], 0)
+        llama2_generator.generate([[1, 2]], 0)
     assert_one_line(excinfo)
 
 
 def test_output_accounting(llama2):
     _, gen = llama2
-    out = gen.generate(PROMPTS, 5, eos_ids=[])
-    assert out.num_new_tokens == 15 and out.steps == 5
+    out = gen.generate(PROMPTS, MAX_NEW, eos_ids=[], budgets=[4, 10, 6])
+    assert out.num_new_tokens == 20 and out.steps == MAX_NEW
     assert out.run_seconds > 0 and out.tokens_per_second > 0
-    assert np.asarray(out.state.num_new).tolist() == [5, 5, 5]
+    assert np.asarray(out.state.num_new).tolist() == [4, 10, 6]

@@ -116,14 +116,15 @@ def base(loaded):
 
 
 def test_prefill_then_decode_equals_cache_free_forward(base):
-    tokens = jnp.asarray(random_tokens(2, 10, seed=4))
-    full = forward(base, tokens, positions(2, 10), causal_self_mask(2, 10)).logits
-    s = 12
+    """Shapes as in the parity tests above (same model), so nothing new is compiled."""
+    tokens = jnp.asarray(random_tokens(2, 12, seed=4))
+    full = forward(base, tokens, positions(2, 12), causal_self_mask(2, 12)).logits
+    s = 16
     cache = base.init_cache(2, s)
-    out = forward(base, tokens[:, :6], positions(2, 6), causal_mask(cache.lengths, 6, s), cache)
+    out = forward(base, tokens[:, :5], positions(2, 5), causal_mask(cache.lengths, 5, s), cache)
     got = [out.logits]
-    cache = out.cache.advance(jnp.full((2,), 6))
-    for t in range(6, 10):
+    cache = out.cache.advance(jnp.full((2,), 5))
+    for t in range(5, 12):
         out = forward(base, tokens[:, t:t + 1], positions(2, 1, t), causal_mask(cache.lengths, 1, s), cache)
         got.append(out.logits)
         cache = out.cache.advance(jnp.ones(2, jnp.int32))
@@ -146,18 +147,25 @@ def test_tree_mask_hand_example():
 
 
 def test_tree_forward_equals_each_path_forward(base):
-    """A branching tree in one forward: every node's logits equal the causal forward of its path."""
-    prefix = jnp.asarray(random_tokens(1, 4, seed=5))
+    """A branching tree in one forward: every node's logits equal the causal forward of its path.
+    Row 0 holds the tree root -> (a, b); row 1 a chain. References come from one cache-free forward."""
+    tokens = random_tokens(2, 12, seed=5)
     root, a, b = 10, 20, 30
-    s = 8
-    cache = base.init_cache(1, s)
-    cache = forward(base, prefix, positions(1, 4), causal_mask(cache.lengths, 4, s), cache).cache.advance(jnp.array([4]))
+    s = 16
+    cache = base.init_cache(2, s)
+    prefix = jnp.asarray(tokens[:, :5])
+    cache = forward(base, prefix, positions(2, 5), causal_mask(cache.lengths, 5, s), cache).cache
+    cache = cache.advance(jnp.array([5, 4]))  # row 1 keeps 4: its tree starts at position 4
     anc = jnp.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)
-    tree = forward(base, jnp.array([[root, a, b]]), jnp.array([[4, 5, 5]]), tree_mask(cache.lengths, anc, s), cache).logits
-    # The three paths as rows of one causal forward; node 0's logits sit one position earlier.
-    paths = jnp.concatenate([jnp.repeat(prefix, 3, axis=0), jnp.array([[root, 0], [root, a], [root, b]])], axis=1)
-    ref = forward(base, paths, positions(3, 6), causal_self_mask(3, 6)).logits
-    assert max_diff(tree[0], jnp.stack([ref[0, 4], ref[1, 5], ref[2, 5]])) <= 1e-5
+    mask = tree_mask(cache.lengths, anc, s)
+    mask = mask.at[1].set(causal_mask(cache.lengths, 3, s)[1])
+    tree = forward(base, jnp.array([[root, a, b], tokens[1, 4:7]]), jnp.array([[5, 6, 6], [4, 5, 6]]), mask, cache).logits
+    paths = np.stack([tokens[0], tokens[0]])  # row 0's prefix, then root -> a and root -> b
+    paths[0, 5:7], paths[1, 5:7] = (root, a), (root, b)
+    ref = forward(base, jnp.asarray(paths), positions(2, 12), causal_self_mask(2, 12)).logits
+    chain = forward(base, jnp.asarray(tokens), positions(2, 12), causal_self_mask(2, 12)).logits
+    assert max_diff(tree[0], jnp.stack([ref[0, 5], ref[0, 6], ref[1, 6]])) <= 1e-5
+    assert max_diff(tree[1], chain[1, 4:7]) <= 1e-5
 
 
 def test_shapes_via_eval_shape():
