@@ -5,8 +5,8 @@ Every head family answers three questions (k = depth of a tree node, 0 for the r
   next token), running the Augmenting Block over its own KV cache where the method has one;
 - `node_state(k, parent_state, token)`: the state of a node at depth k holding `token`, from its
   parent's state (the root's parent state is the context) - the Regressive Connection;
-- `node_logits(k, state, token)`: logits [.., V] over the node's children, through the base model's
-  frozen `lm_head`.
+- `node_hidden(k, state, token)`: the vector [.., D] the base model's frozen `lm_head` turns into
+  logits over the node's children (`node_logits`); Clover-2's distillation loss reads it.
 Medusa ignores tokens (`token_dependent = False`), so the engine computes its logits once per depth.
 The architectures and initialisations are SPEC section 2's; where the papers leave a detail open, the
 choice follows the authors' code and is said in the docstring.
@@ -115,8 +115,30 @@ class Heads(nnx.Module):
     def node_state(self, base: Llama, k: int, state, token):
         raise NotImplementedError
 
-    def node_logits(self, base: Llama, k: int, state, token):
+    def node_hidden(self, base: Llama, k: int, state, token):
         raise NotImplementedError
+
+    def node_logits(self, base: Llama, k: int, state, token):
+        return base.logits(self.node_hidden(base, k, state, token))
+
+    def unroll(self, base: Llama, hidden, hidden_normed, tokens) -> jax.Array:
+        """Teacher-forced drafts at every position, for training: [K, B, T, D], entry [k, :, t] being the
+        lm_head input of head k at position t, whose target is token t+2+k (the root is token t+1, and
+        each depth is fed the true token of its parent). hidden/hidden_normed [B, T, D], tokens [B, T]."""
+        b, t = tokens.shape
+        shifted = lambda n: jnp.concatenate([tokens[:, n:], jnp.zeros((b, min(n, t)), tokens.dtype)], axis=1)[:, :t]
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+        ctx, _ = self.context(base, hidden, hidden_normed, shifted(1), positions, mask, None)
+        token = shifted(1)
+        state = self.node_state(base, 0, ctx, token)
+        out = []
+        for k in range(self.num_heads):
+            out.append(self.node_hidden(base, k, state, token))
+            if k + 1 < self.num_heads:
+                token = shifted(k + 2)
+                state = self.node_state(base, k + 1, state, token)
+        return jnp.stack(out)
 
 
 class MedusaHeads(Heads):
@@ -135,8 +157,8 @@ class MedusaHeads(Heads):
     def node_state(self, base, k, state, token):
         return state
 
-    def node_logits(self, base, k, state, token):
-        return base.logits(self.blocks[k](state))
+    def node_hidden(self, base, k, state, token):
+        return self.blocks[k](state)
 
 
 class CloverAttentionDecoder(nnx.Module):
@@ -185,8 +207,8 @@ class CloverHeads(Heads):
         e = jnp.take(token_embeddings(base, "lm_head", True), token, axis=0).astype(state.dtype)
         return self.decoder(state, e)
 
-    def node_logits(self, base, k, state, token):
-        return base.logits(base.norm(self.blocks[k](state)))
+    def node_hidden(self, base, k, state, token):
+        return base.norm(self.blocks[k](state))
 
 
 class GateDecoder(nnx.Module):
@@ -247,11 +269,11 @@ class Clover2Heads(Heads):
         # The root's token was fused into the context before the Augmenting Block.
         return state if k == 0 else self.decoder_cell(state, self._embed(base, token, state.dtype))
 
-    def node_logits(self, base, k, state, token):
+    def node_hidden(self, base, k, state, token):
         if k == 0:
-            return base.logits(self.head_norm(self.w0(state)))
+            return self.head_norm(self.w0(state))
         e = self._embed(base, token, state.dtype)
-        return base.logits(self.head_norm(self.w2(jnp.concatenate([state, e], axis=-1))))
+        return self.head_norm(self.w2(jnp.concatenate([state, e], axis=-1)))
 
 
 HEAD_CLASSES = {"medusa": MedusaHeads, "clover": CloverHeads, "clover2": Clover2Heads}

@@ -1,0 +1,82 @@
+"""The heads' training losses (SPEC section 2), on teacher-forced drafts from `Heads.unroll`.
+
+Head k at position t drafts token t+2+k. Medusa and Clover learn it by cross-entropy on that token;
+Clover-2 distils the base model at position t+1+k instead (the position whose output is that token's
+distribution): 10 * SmoothL1 between the head's lm_head input and the base model's normed hidden state
+there, plus the soft cross-entropy against the base model's softmax. Head k is weighted 0.7^k; only
+targets inside the response (loss mask) and inside the sequence count.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+HEAD_DECAY = 0.7
+HIDDEN_WEIGHT = 10.0
+
+
+def shift_left(x: jax.Array, n: int) -> jax.Array:
+    """x[:, t + n] at position t, zero past the end. x [B, T, ...]."""
+    pad = jnp.zeros((x.shape[0], n) + x.shape[2:], x.dtype)
+    return jnp.concatenate([x[:, n:], pad], axis=1)[:, : x.shape[1]]
+
+
+def target_mask(loss_mask: jax.Array, k: int) -> jax.Array:
+    """[B, T] float: position t trains head k when token t+2+k exists and is a response token."""
+    return shift_left(loss_mask.astype(jnp.float32), k + 2)
+
+
+def smooth_l1(pred: jax.Array, target: jax.Array) -> jax.Array:
+    """SmoothL1 (beta 1) averaged over the last axis, as PyTorch's SmoothL1Loss then a mean over D."""
+    d = jnp.abs(pred.astype(jnp.float32) - target.astype(jnp.float32))
+    return jnp.mean(jnp.where(d < 1.0, 0.5 * d * d, d - 0.5), axis=-1)
+
+
+def soft_cross_entropy(logits: jax.Array, target_probs: jax.Array) -> jax.Array:
+    """-sum_v p(v) log q(v), over the last axis."""
+    return -jnp.sum(target_probs * jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), axis=-1)
+
+
+def masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
+    return jnp.sum(values * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def head_weights(num_heads: int) -> jax.Array:
+    return HEAD_DECAY ** jnp.arange(num_heads, dtype=jnp.float32)
+
+
+def cross_entropy_loss(head_logits: jax.Array, tokens: jax.Array, loss_mask: jax.Array):
+    """Medusa / Clover. head_logits [K, B, T, V], tokens and loss_mask [B, T].
+    Returns (weighted loss, per-head losses [K], per-head masks [K, B, T], per-head targets [K, B, T])."""
+    k_heads = head_logits.shape[0]
+    targets = jnp.stack([shift_left(tokens, k + 2) for k in range(k_heads)])
+    masks = jnp.stack([target_mask(loss_mask, k) for k in range(k_heads)])
+    ce = optax.softmax_cross_entropy_with_integer_labels(head_logits.astype(jnp.float32), targets)
+    per_head = jax.vmap(masked_mean)(ce, masks)
+    return jnp.sum(head_weights(k_heads) * per_head), per_head, masks, targets
+
+
+def distill_loss(head_hidden: jax.Array, head_logits: jax.Array, base_normed: jax.Array,
+                 base_logits: jax.Array, tokens: jax.Array, loss_mask: jax.Array):
+    """Clover-2. head_hidden [K, B, T, D], head_logits [K, B, T, V]; base_normed [B, T, D] and
+    base_logits [B, T, V] of the base model at every position. Same returns as `cross_entropy_loss`."""
+    k_heads = head_hidden.shape[0]
+    targets = jnp.stack([shift_left(tokens, k + 2) for k in range(k_heads)])
+    masks = jnp.stack([target_mask(loss_mask, k) for k in range(k_heads)])
+    per_head = []
+    for k in range(k_heads):
+        h_target = jax.lax.stop_gradient(shift_left(base_normed, k + 1))
+        p_target = jax.lax.stop_gradient(jax.nn.softmax(shift_left(base_logits, k + 1).astype(jnp.float32), -1))
+        loss = HIDDEN_WEIGHT * smooth_l1(head_hidden[k], h_target) + soft_cross_entropy(head_logits[k], p_target)
+        per_head.append(masked_mean(loss, masks[k]))
+    per_head = jnp.stack(per_head)
+    return jnp.sum(head_weights(k_heads) * per_head), per_head, masks, targets
+
+
+def topk_accuracy(head_logits: jax.Array, targets: jax.Array, masks: jax.Array, k: int) -> jax.Array:
+    """Per-head top-k accuracy [K] of the drafted token against the data's next tokens."""
+    top = jax.lax.top_k(head_logits, k)[1]
+    hit = jnp.any(top == targets[..., None], axis=-1).astype(jnp.float32)
+    return jax.vmap(masked_mean)(hit, masks)
