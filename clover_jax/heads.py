@@ -51,8 +51,17 @@ class HeadsConfig:
 
 
 def _eye_plus_uniform(key, n: int, m: int, noise: float, dtype) -> jax.Array:
-    """Identity on the first n columns' diagonal plus U(0, noise): the authors' `eye_with_uniform`."""
+    """Identity on the leading min(n, m) diagonal (for W2 [2D, D]: the rows reading s) plus U(0, noise),
+    as the authors' `eye_with_uniform`."""
     return (jnp.eye(n, m, dtype=dtype) + noise * jax.random.uniform(key, (n, m), dtype)).astype(dtype)
+
+
+def _gate_heads(cfg: ModelConfig) -> int:
+    """The decoders split D into the base model's attention-head count, as the authors' code asserts."""
+    if cfg.hidden_size % cfg.num_heads:
+        raise CloverError(f"hidden_size {cfg.hidden_size} is not divisible by num_attention_heads "
+                          f"{cfg.num_heads}; the attention decoder cannot split it into heads")
+    return cfg.num_heads
 
 
 def _copy_layer(src: DecoderLayer, dst: DecoderLayer) -> None:
@@ -178,7 +187,7 @@ class CloverAttentionDecoder(nnx.Module):
         self.q.kernel[...] = _eye_plus_uniform(rngs.params(), d, d, noise, dtype)
         self.k.kernel[...] = _eye_plus_uniform(rngs.params(), d, d, noise, dtype)
         self.v.kernel[...] = jnp.zeros((d, d), dtype)
-        self.num_heads = cfg.num_heads if d % cfg.num_heads == 0 else 1
+        self.num_heads = _gate_heads(cfg)
 
     def __call__(self, h, e):
         q, k, v = self.q(self.norm(h)), self.k(e), self.v(e)
@@ -225,13 +234,16 @@ class GateDecoder(nnx.Module):
         self.q.kernel[...] = _eye_plus_uniform(rngs.params(), d, d, noise, dtype)
         self.k.kernel[...] = _eye_plus_uniform(rngs.params(), d, d, noise, dtype)
         self.v.kernel[...] = (noise * jax.random.uniform(rngs.params(), (d, d), dtype)).astype(dtype)
-        self.num_heads = cfg.num_heads if d % cfg.num_heads == 0 else 1
+        self.num_heads = _gate_heads(cfg)
 
     def __call__(self, x, e):
         split = lambda t: t.reshape(*t.shape[:-1], self.num_heads, -1).astype(jnp.float32)
         q, k, v = split(self.q(self.norm(x))), split(self.k(e)), split(self.v(e))
-        cos = jnp.sum(q * k, -1, keepdims=True) / jnp.maximum(
-            jnp.linalg.norm(q, axis=-1, keepdims=True) * jnp.linalg.norm(k, axis=-1, keepdims=True), 1e-8)
+        # Each norm clamped at eps as torch.cosine_similarity does; sqrt of a clamped square keeps the
+        # gradient finite at a zero vector (padding rows), where d|x|/dx is 0/0.
+        eps = self.norm.eps
+        norm = lambda t: jnp.sqrt(jnp.maximum(jnp.sum(t * t, -1, keepdims=True), eps * eps))
+        cos = jnp.sum(q * k, -1, keepdims=True) / (norm(q) * norm(k))
         return x + (v * cos).reshape(x.shape).astype(x.dtype)
 
 

@@ -38,7 +38,7 @@ class Llama(nnx.Module):
 
     @property
     def dtype(self):
-        return self.embed_tokens.embedding[...].dtype
+        return self.embed_tokens.embedding.dtype
 
     def logits(self, hidden_normed: jax.Array) -> jax.Array:
         """The output projection, shared with every draft head. [..., D] -> [..., V] float32."""

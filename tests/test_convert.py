@@ -4,7 +4,6 @@ wrong (each a one-line `CloverError` naming the problem)."""
 import json
 import shutil
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -1,10 +1,12 @@
 """Plain generation: greedy equals Hugging Face `generate` token for token; budgets, EOS, buckets,
 compile accounting and bad prompts."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
+from clover_jax.convert import load_pretrained
 from clover_jax.decode import Generator
 from clover_jax.errors import CloverError
 from conftest import MAX_NEW, PROMPTS, VOCAB, assert_one_line
@@ -115,3 +117,11 @@ def test_output_accounting(llama2):
     assert out.num_new_tokens == 20 and out.steps == MAX_NEW
     assert out.run_seconds > 0 and out.tokens_per_second > 0
     assert np.asarray(out.state.num_new).tolist() == [4, 10, 6]
+
+
+def test_non_finite_logits(hf_checkpoint):
+    _, model = load_pretrained(hf_checkpoint("llama2")[1])
+    model.norm.weight[...] = jnp.full(model.norm.weight.shape, jnp.nan)
+    with pytest.raises(CloverError, match=r"non-finite logits") as excinfo:
+        Generator(model).generate([[1, 2, 3]], 2)
+    assert_one_line(excinfo)

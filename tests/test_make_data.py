@@ -1,0 +1,304 @@
+"""`python -m train.make_data` and `train.data.HeadDataset` on a tiny random Llama with a real tokenizer.
+
+Every stored array is checked against the library called directly: token ids against the tokenizer,
+self-distilled responses against `Generator`, hidden states against a plain forward of the model.
+"""
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from clover_jax.convert import load_pretrained
+from clover_jax.decode import Generator
+from clover_jax.errors import CloverError
+from clover_jax.model import causal_self_mask
+from clover_jax.sampling import SamplingConfig
+from infer import cli
+from train import make_data
+from train import tokenizer as tokenizer_lib
+from train.data import HeadDataset
+
+TEXTS = ["def add(a, b):\n    return a + b\n", "class Point:\n    def __init__(self, x):\n        self.x = x\n",
+         "import os\nprint(os.getcwd())\n", "for i in range(10):\n    print(i)\n"] * 4
+RECORDS = [{"prompt": "def add(a, b):", "response": "\n    return a + b\n"},
+           {"prompt": "class Point:", "response": "\n    def __init__(self, x):\n        self.x = x\n" * 3},
+           {"prompt": "import os", "response": "\nprint(os.getcwd())"},
+           {"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "for i in"},
+                              {"from": "gpt", "value": " range(10):\n    print(i)\n"}]}]
+NEW = 6
+
+
+def _tiny_llama(out, vocab_size):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         bos_token_id=1, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny-llama")
+    tok = tokenizer_lib.train_tokenizer(TEXTS, vocab_size=300)
+    tokenizer_lib.save_tokenizer(tok, out)
+    return _tiny_llama(out, tok.get_vocab_size())
+
+
+@pytest.fixture(scope="module")
+def hf_tok(model_dir):
+    return cli.load_tokenizer(model_dir)
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return load_pretrained(model_dir)[1]
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    return path
+
+
+def run(capsys, *argv):
+    capsys.readouterr()  # drop what setting up printed (transformers' progress bars)
+    code = make_data.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def fixed_dir(model_dir, prompts_file, tmp_path_factory):
+    """Fixed responses with float16 hidden states; max-len 24 so the long response is cut."""
+    out = tmp_path_factory.mktemp("fixed")
+    assert make_data.main([f"--base={model_dir}", f"--prompts={prompts_file}", f"--out={out}", "--mode=fixed",
+                           "--max-len=24", "--batch-size=3", "--store-hidden=float16"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def self_dir(model_dir, prompts_file, tmp_path_factory):
+    """Self-distilled (sampled) responses with bfloat16 hidden states; the last batch is a partial one."""
+    out = tmp_path_factory.mktemp("self")
+    assert make_data.main([f"--base={model_dir}", f"--prompts={prompts_file}", f"--out={out}", "--mode=self",
+                           f"--max-new-tokens={NEW}", "--batch-size=3", "--temperature=0.8", "--seed=5",
+                           "--store-hidden=bfloat16"]) == 0
+    return out
+
+
+def _examples(path):
+    tokens, offsets, mask = (np.load(path / f) for f in ("tokens.npy", "offsets.npy", "loss_mask.npy"))
+    assert tokens.dtype == np.int32 and offsets.dtype == np.int64 and mask.dtype == np.uint8
+    assert offsets[0] == 0 and offsets[-1] == len(tokens) == len(mask)
+    return [(tokens[a:b].tolist(), mask[a:b].tolist()) for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+def _assert_hidden(path, model, examples, dtype, atol):
+    """Stored hidden states against one forward of every example, right-padded to the longest."""
+    stored = np.load(path / "hidden.npy", mmap_mode="r").view(dtype)
+    assert stored.shape == (sum(len(t) for t, _ in examples), model.cfg.hidden_size)
+    e, t = len(examples), max(len(tokens) for tokens, _ in examples)
+    batch = np.zeros((e, t), np.int32)
+    for row, (tokens, _) in enumerate(examples):
+        batch[row, : len(tokens)] = tokens
+    positions = np.broadcast_to(np.arange(t, dtype=np.int32), (e, t))
+    ref = np.asarray(nnx.jit(lambda m, x: m(x, positions, causal_self_mask(e, t), with_logits=False).hidden)(
+        model, batch))
+    start = 0
+    for row, (tokens, _) in enumerate(examples):
+        n = len(tokens)
+        np.testing.assert_allclose(stored[start:start + n].astype(np.float32), ref[row, :n], atol=atol, rtol=atol)
+        start += n
+
+
+def test_fixed_mode_stores_prompt_response_mask_and_hidden(fixed_dir, hf_tok, model):
+    examples = _examples(fixed_dir)
+    assert len(examples) == len(RECORDS)
+    prompts = [r.get("prompt") or r["conversations"][1]["value"] for r in RECORDS]
+    responses = [r.get("response") or r["conversations"][2]["value"] for r in RECORDS]
+    for (tokens, mask), prompt, response in zip(examples, prompts, responses):
+        p = hf_tok(prompt)["input_ids"]
+        r = hf_tok(response, add_special_tokens=False)["input_ids"]
+        assert tokens == (p + r)[:24]
+        assert mask == [0] * len(p) + [1] * (len(tokens) - len(p))
+    assert len(examples[1][0]) == 24  # the long response was cut at --max-len
+    _assert_hidden(fixed_dir, model, examples, np.float16, 2e-3)
+    meta = json.loads((fixed_dir / "meta.json").read_text())
+    from clover_jax.checkpoint import base_fingerprint
+
+    assert meta == meta | {"base_fingerprint": base_fingerprint(model), "vocab_size": model.cfg.vocab_size,
+                           "hidden_size": 32, "num_examples": 4, "num_tokens": sum(len(t) for t, _ in examples),
+                           "num_response_tokens": sum(sum(m) for _, m in examples), "mode": "fixed",
+                           "max_len": 24, "hidden_dtype": "float16", "created_by": "train.make_data"}
+    assert meta["prompts_file"].endswith("prompts.jsonl")
+    assert sorted(p.name for p in fixed_dir.iterdir()) == ["hidden.npy", "loss_mask.npy", "meta.json",
+                                                          "offsets.npy", "tokens.npy"]
+
+
+def test_self_mode_responses_are_the_generators(self_dir, hf_tok, model):
+    examples = _examples(self_dir)
+    prompts = [hf_tok(r.get("prompt") or r["conversations"][1]["value"])["input_ids"] for r in RECORDS]
+    gen = Generator(model)
+    sampling = SamplingConfig(temperature=0.8)
+    first = gen.generate(prompts[:3], NEW, sampling=sampling, seed=5, eos_ids=(0,)).tokens
+    last = gen.generate([prompts[3]] * 3, NEW, sampling=sampling, seed=6, eos_ids=(0,)).tokens[:1]
+    for (tokens, mask), p, r in zip(examples, prompts, first + last):
+        assert tokens == p + r
+        assert mask == [0] * len(p) + [1] * len(r)
+    _assert_hidden(self_dir, model, examples, ml_dtypes.bfloat16, 2e-2)
+    meta = json.loads((self_dir / "meta.json").read_text())
+    assert meta["mode"] == "self" and meta["hidden_dtype"] == "bfloat16" and meta["max_len"] == 64
+
+
+def test_chat_sharegpt_fixed_response_is_the_templates_assistant_turn(model_dir, hf_tok, tmp_path, capsys):
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps([RECORDS[3]]))
+    code, out, _ = run(capsys, "--base", model_dir, "--prompts", path, "--out", tmp_path / "d", "--mode", "fixed",
+                       "--chat")
+    assert code == 0 and "wrote 1 examples" in out
+    [(tokens, mask)] = _examples(tmp_path / "d")
+    p = cli.encode(hf_tok, "for i in", chat=True)
+    assert tokens[: len(p)] == p and mask == [0] * len(p) + [1] * (len(tokens) - len(p))
+    assert hf_tok.decode(tokens[len(p):]) == " range(10):\n    print(i)\n<|endoftext|>"
+    assert json.loads((tmp_path / "d" / "meta.json").read_text())["hidden_dtype"] is None
+    assert not (tmp_path / "d" / "hidden.npy").exists()
+
+
+def test_batches_are_a_function_of_seed_and_step(fixed_dir, self_dir):
+    data = HeadDataset(fixed_dir)
+    a, b = data.batch_at(7, 4, 10, seed=3), data.batch_at(7, 4, 10, seed=3)
+    for key in ("tokens", "loss_mask", "lengths", "positions", "hidden"):
+        np.testing.assert_array_equal(a[key], b[key])
+    assert a["tokens"].shape == (4, 10) and a["tokens"].dtype == np.int32
+    assert a["loss_mask"].dtype == np.float32 and a["lengths"].dtype == np.int32
+    assert a["hidden"].shape == (4, 10, 32) and a["hidden"].dtype == np.float16
+    assert not all(np.array_equal(a["tokens"], data.batch_at(s, 4, 10, seed=3)["tokens"]) for s in range(8))
+    # One epoch of steps visits every example once; every window holds response tokens.
+    seen = []
+    for step in range(2):
+        batch = data.batch_at(step, 2, 10, seed=3)
+        assert (batch["loss_mask"].sum(1) > 0).all()
+        for row in range(2):
+            n = batch["lengths"][row]
+            assert (batch["tokens"][row, n:] == 0).all() and (batch["loss_mask"][row, n:] == 0).all()
+            start = batch["positions"][row, 0]
+            seen.append(next(e for e in range(4) if np.array_equal(
+                data.tokens[data.offsets[e] + start: data.offsets[e] + start + n], batch["tokens"][row, :n])))
+            a0 = data.offsets[seen[-1]] + start
+            np.testing.assert_array_equal(batch["hidden"][row, :n], data.hidden[a0: a0 + n])
+    assert sorted(seen) == [0, 1, 2, 3]
+    assert HeadDataset(self_dir).batch_at(0, 2, 64)["hidden"].dtype == ml_dtypes.bfloat16
+
+
+def test_split_and_eval_batches(fixed_dir):
+    data = HeadDataset(fixed_dir)
+    train, val = data.split(0.25)
+    assert len(val) >= 1 and sorted(np.concatenate([train, val]).tolist()) == [0, 1, 2, 3]
+    t2, v2 = data.split(0.25)
+    np.testing.assert_array_equal(train, t2)
+    np.testing.assert_array_equal(val, v2)
+    assert len(data.split(0.0)[1]) == 0
+    batches = list(data.eval_batches(12, 3, train))
+    assert len(batches) == -(-len(train) // 3)
+    assert all(b["tokens"].shape == (3, 12) for b in batches)
+    lengths = np.concatenate([b["lengths"] for b in batches])
+    assert (lengths[: len(train)] == np.minimum(data.lengths[train], 12)).all() and (lengths[len(train):] == 0).all()
+    # A long example's fixed window ends at its last response token (the end of the example).
+    [long] = [b for b in data.eval_batches(12, 1, [1])]
+    np.testing.assert_array_equal(long["tokens"][0], data.tokens[data.offsets[2] - 12: data.offsets[2]])
+    assert list(data.eval_batches(12, 2, [])) == []
+
+
+def test_dataset_checks_base_and_vocab(fixed_dir, model, tmp_path):
+    data = HeadDataset(fixed_dir)
+    data.check_base(model)
+    data.check_vocab(model.cfg.vocab_size)
+    with pytest.raises(CloverError, match="another base model"):
+        data.check_base(load_pretrained(_tiny_llama(tmp_path / "other", model.cfg.vocab_size + 1))[1])
+    with pytest.raises(CloverError, match="vocabulary"):
+        data.check_vocab(model.cfg.vocab_size - 1)
+
+
+def _copy(src, dst):
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+@pytest.mark.parametrize("case", ["no meta", "ids over vocab", "empty"])
+def test_damaged_dataset_is_refused(case, fixed_dir, tmp_path):
+    d = _copy(fixed_dir, tmp_path / "d")
+    meta = json.loads((d / "meta.json").read_text())
+    if case == "no meta":
+        (d / "meta.json").unlink()
+        needle = "not a dataset made by train.make_data (no meta.json)"
+    elif case == "ids over vocab":
+        tokens = np.load(d / "tokens.npy")
+        tokens[3] = meta["vocab_size"]
+        np.save(d / "tokens.npy", tokens)
+        needle = f"token id {meta['vocab_size']} is outside the vocabulary"
+    else:
+        np.save(d / "offsets.npy", np.zeros(1, np.int64))
+        needle = "empty dataset"
+    with pytest.raises(CloverError, match=needle.replace("(", r"\(").replace(")", r"\)")) as e:
+        HeadDataset(d)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("case", ["empty file", "no response", "prompt too long", "max-len over context",
+                                  "ids over vocab", "foreign out"])
+def test_bad_input_is_one_error_line(case, model_dir, prompts_file, hf_tok, tmp_path, capsys):
+    out = tmp_path / "out"
+    args = ["--base", model_dir, "--out", out]
+    if case == "empty file":
+        (tmp_path / "e.jsonl").write_text("\n")
+        argv, needle = args + ["--prompts", tmp_path / "e.jsonl"], "no prompts in the file"
+    elif case == "no response":
+        (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "x"}) + "\n")
+        argv, needle = args + ["--prompts", tmp_path / "p.jsonl", "--mode", "fixed"], "p.jsonl:1: no response"
+    elif case == "prompt too long":
+        (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "def add(a, b): " * 20}) + "\n")
+        argv, needle = args + ["--prompts", tmp_path / "p.jsonl", "--max-len", 16], "leaving no room"
+    elif case == "max-len over context":
+        argv, needle = args + ["--prompts", prompts_file, "--max-len", 65], "--max-len 65 must be in [2, 64]"
+    elif case == "ids over vocab":
+        small = tmp_path / "small"
+        small.mkdir()
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            (small / name).write_bytes((model_dir / name).read_bytes())
+        _tiny_llama(small, 258)  # the tokenizer's merges have ids >= 258
+        argv, needle = ["--base", small, "--out", out, "--prompts", prompts_file], "outside the model's vocabulary"
+    else:
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+        argv, needle = args + ["--prompts", prompts_file], "notes.txt, which is not part of a dataset"
+    code, stdout, err = run(capsys, *argv)
+    assert code == 2 and stdout == ""
+    assert err.count("\n") == 1 and err.startswith("error: ") and needle in err, err
+    if case != "foreign out":
+        assert not (out / "meta.json").exists()
+
+
+def test_rerun_replaces_an_old_dataset(model_dir, prompts_file, fixed_dir, tmp_path, capsys):
+    d = _copy(fixed_dir, tmp_path / "d")
+    code, _, _ = run(capsys, "--base", model_dir, "--prompts", prompts_file, "--out", d, "--mode", "fixed",
+                     "--limit", 2)
+    assert code == 0
+    assert not (d / "hidden.npy").exists()  # the old dataset's hidden states do not outlive it
+    assert len(HeadDataset(d)) == 2 and HeadDataset(d).hidden is None
+
+
+def test_help_describes_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        make_data.main(["--help"])
+    assert "--store-hidden" in capsys.readouterr().out
+    assert all(a.help for a in make_data.build_parser()._actions)

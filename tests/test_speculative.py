@@ -1,0 +1,351 @@
+"""Speculative decoding: greedy speculative output equals plain greedy output token for token for
+every method, tree and batch size (random heads, then an oracle drafter that makes acceptance long);
+greedy acceptance and K/V compaction on hand-built inputs; the cache and statistics a run leaves;
+settings the engine refuses.
+
+Compiling a speculative program on CPU takes seconds, so each generator is built once per module
+and reused: budgets are runtime arguments, EOS comes from the model config (one static value)."""
+
+import functools
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from clover_jax.cache import KVCache
+from clover_jax.config import ModelConfig
+from clover_jax.decode import Generator, prefill
+from clover_jax.errors import CloverError
+from clover_jax.heads import DEFAULT_NUM_HEADS, Heads, HeadsConfig, make_heads
+from clover_jax.model import Llama
+from clover_jax.sampling import SamplingConfig
+from clover_jax.speculative import SpeculativeGenerator, accept_greedy, compact, update_context
+from clover_jax.tree import Tree, chain, resolve_tree
+from conftest import assert_one_line
+
+PROMPTS = [[1, 7, 8, 9], [1, 3, 4, 22, 23, 24, 25, 60], [1, 2], [9] * 11]
+EOS_ROW = 2  # the prompt whose greedy continuation is cut by EOS mid-way
+MAX_NEW = 20
+# Runtime budgets: a cut mid-run, a sequence with nothing to do, a cut before the EOS, a long one.
+BUDGETS = [5, 0, 3, 17]
+FREE_EXTRA = 8  # continuation past MAX_NEW: covers a last step's overshoot (at most tree depth + 1)
+PREFILL_LEN = 48  # >= longest prompt + MAX_NEW + FREE_EXTRA
+# (tree, batch) per method: a chain, a wide tree, and the method's paper tree cut to its head count
+# (None). One batch-1 case keeps the compile count (and the file's run time) down.
+CASES = [("chain:3", 4), ("widths:4,2", 1), (None, 4)]
+SEED = 1
+
+
+def perturb(heads: Heads, seed: int, scale: float = 0.02) -> Heads:
+    """Add N(0, scale^2) to every head parameter, so heads differ from their identity-like init and
+    draft varied (partly wrong) tokens."""
+    leaves, treedef = jax.tree.flatten(nnx.state(heads, nnx.Param))
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    noisy = [x + scale * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    nnx.update(heads, jax.tree.unflatten(treedef, noisy))
+    return heads
+
+
+class Reference:
+    """The base model (float32, EOS in its config) and its plain greedy outputs."""
+
+    def __init__(self):
+        probe = Llama(ModelConfig.tiny(), rngs=nnx.Rngs(SEED))
+        free = Generator(probe).generate(PROMPTS, MAX_NEW + FREE_EXTRA, eos_ids=[]).tokens
+        self.free = free  # greedy continuations with no EOS, long enough for any cache check
+        self.eos = pick_eos(free)
+        self.base = Llama(ModelConfig.tiny(eos_token_ids=(self.eos,)), rngs=nnx.Rngs(SEED))
+        same = jax.tree.map(jnp.array_equal, nnx.state(probe), nnx.state(self.base))
+        assert all(jax.tree.leaves(same)), "the EOS id must not change the weights"
+        # Plain greedy with the config's EOS and budgets cuts the free continuations at the budget and
+        # after the first EOS; the speculative runs are compared with those cuts (one plain program).
+        plain = Generator(self.base)
+        self.full = plain.generate(PROMPTS, MAX_NEW).tokens
+        assert self.full == [truncate(c, MAX_NEW, self.eos) for c in free]
+        assert self.full[EOS_ROW][-1] == self.eos and len(self.full[EOS_ROW]) < MAX_NEW
+        budgeted = plain.generate(PROMPTS, MAX_NEW, budgets=BUDGETS).tokens
+        assert budgeted == [truncate(c, budget, self.eos) for c, budget in zip(free, BUDGETS)]
+
+
+def truncate(tokens, budget, eos):
+    out = tokens[:budget]
+    return out[: out.index(eos) + 1] if eos in out else out
+
+
+def pick_eos(free) -> int:
+    """A token that the EOS_ROW continuation first emits mid-way and no other continuation emits."""
+    others = {t for i, c in enumerate(free) if i != EOS_ROW for t in c}
+    row = free[EOS_ROW][:MAX_NEW]
+    for i, t in enumerate(row):
+        if i >= 4 and t not in others and t not in row[:i]:
+            return t
+    raise AssertionError(f"no EOS candidate in {row}; change SEED or the prompts")
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return Reference()
+
+
+@pytest.fixture(scope="module")
+def fresh(ref):
+    """(seq, next token, heads) -> what prefilling seq from scratch gives: the base cache k, v
+    [L, len(seq), K, H], the heads' Augmenting Block cache (None without one) and their context
+    state [D] at the last position (paired with the next token)."""
+    base_def, base_params = nnx.split(ref.base)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def run(heads_def, params, tokens, next_tokens, length):
+        base, heads = nnx.merge(base_def, params[0]), nnx.merge(heads_def, params[1])
+        cache, hidden, normed, _ = prefill(base, tokens, length, PREFILL_LEN)
+        aug = heads.init_aug_cache(1, PREFILL_LEN, base.dtype)
+        context, aug = update_context(base, heads, aug, hidden, normed, next_tokens, length)
+        return cache, aug, context[0]
+
+    def get(seq, next_token, heads):
+        tokens = np.zeros((1, PREFILL_LEN), np.int32)
+        tokens[0, : len(seq)] = seq
+        following = np.zeros_like(tokens)
+        following[0, : len(seq)] = seq[1:] + [next_token]
+        heads_def, heads_params = nnx.split(heads)
+        cache, aug, context = run(heads_def, (base_params, heads_params), jnp.asarray(tokens),
+                                  jnp.asarray(following), jnp.asarray([len(seq)], jnp.int32))
+        n = len(seq)
+        aug = None if aug is None else (np.asarray(aug.k[:, 0, :n]), np.asarray(aug.v[:, 0, :n]))
+        return np.asarray(cache.k[:, 0, :n]), np.asarray(cache.v[:, 0, :n]), aug, np.asarray(context)
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def random_generators(ref):
+    """(method, tree spec) -> SpeculativeGenerator with perturbed heads, built on first use."""
+    made = {}
+
+    def get(method, spec):
+        if (method, spec) not in made:
+            heads = perturb(make_heads(HeadsConfig(method, DEFAULT_NUM_HEADS[method]), ref.base, seed=3), seed=4)
+            made[method, spec] = SpeculativeGenerator(ref.base, heads, resolve_tree(spec, method, heads.num_heads))
+        return made[method, spec]
+
+    return get
+
+
+def check_run(out, want, prompts, budgets, ref, fresh, gen):
+    """Tokens equal plain greedy; statistics consistent with the tokens; what the run committed to
+    the caches equals a fresh prefill of prompt + greedy continuation.
+
+    Per sequence b with hist = accept_hist[b] (live steps that accepted d drafted tokens):
+    - live steps: sum(hist) <= n_b - 1 (the prefill emits one token, each live step at least one),
+      and the last sequence to finish was live in every step: max_b sum(hist) == steps;
+    - emitted before the cut: raw = 1 + sum_d (d+1) hist[d]; only the final live step is cut (by
+      the budget or after the EOS), so raw - depth <= n_b <= raw; each sequence ends at its EOS or
+      its budget;
+    - committed to the caches: root + accepted drafts per live step, i.e. raw - 1 = sum_d (d+1)
+      hist[d] tokens past the prompt; they are the greedy continuation (past a cut too), and the
+      heads' context is the one at the last committed position, paired with the next root.
+    """
+    assert out.tokens == want
+    state, depth = out.state, gen.tree.max_depth
+    hist = np.asarray(state.accept_hist)
+    np.testing.assert_array_equal(out.accept_hist, hist)
+    steps = int(state.step)
+    lengths = np.asarray(state.cache.lengths)
+    assert hist.shape == (len(prompts), depth + 1)
+    assert out.steps == steps + 1
+    assert hist.sum(1).max() == steps
+    committed = hist @ (np.arange(depth + 1) + 1)
+    for b, prompt in enumerate(prompts):
+        n, live = len(out.tokens[b]), int(hist[b].sum())
+        if budgets[b] == 0:
+            assert n == 0 and live == 0 and committed[b] == 0
+        else:
+            assert live <= n - 1 and out.sequence_steps[b] == live + 1
+            assert committed[b] + 1 - depth <= n <= committed[b] + 1
+            assert out.tokens[b][-1] == ref.eos or n == budgets[b]
+        assert lengths[b] == len(prompt) + committed[b]
+        cont = ref.free[PROMPTS.index(prompt)]
+        k, v, aug, context = fresh(prompt + cont[: committed[b]], cont[committed[b]], gen.heads)
+        np.testing.assert_allclose(np.asarray(state.cache.k[:, b, : lengths[b]]), k, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(state.cache.v[:, b, : lengths[b]]), v, atol=1e-5)
+        assert (aug is None) == (state.aug_cache is None)
+        if aug is not None:
+            assert int(state.aug_cache.lengths[b]) == lengths[b]
+            np.testing.assert_allclose(np.asarray(state.aug_cache.k[:, b, : lengths[b]]), aug[0], atol=1e-5)
+            np.testing.assert_allclose(np.asarray(state.aug_cache.v[:, b, : lengths[b]]), aug[1], atol=1e-5)
+        np.testing.assert_allclose(np.asarray(state.context[b]), context, atol=1e-5)
+
+
+# ---------------------------------------------------------------- random heads
+
+
+@pytest.mark.parametrize("spec,batch", CASES, ids=lambda x: x if isinstance(x, str) else f"b{x}" if x else "default")
+@pytest.mark.parametrize("method", ["medusa", "clover", "clover2"])
+def test_greedy_matches_plain(ref, fresh, random_generators, method, spec, batch):
+    """Prompts of different lengths, one of them stopped by EOS mid-way; then per-sequence budgets."""
+    gen = random_generators(method, spec)
+    rows = range(len(PROMPTS)) if batch == len(PROMPTS) else [EOS_ROW]
+    prompts = [PROMPTS[i] for i in rows]
+    for budgets in ([MAX_NEW] * len(rows), [BUDGETS[i] for i in rows]):
+        out = gen.generate(prompts, MAX_NEW, budgets=budgets)
+        want = [truncate(ref.free[i], budget, ref.eos) for i, budget in zip(rows, budgets)]
+        check_run(out, want, prompts, budgets, ref, fresh, gen)
+
+
+# ---------------------------------------------------------------- oracle drafter
+
+
+class OracleHeads(Heads):
+    """A drafter that knows the base model's greedy continuation as a bigram table.
+
+    The children of a node holding token t are ranked: first[t] (logit 100), second[t] (50), then
+    the rest by a table noise[t] in [0, 1). The tables are Params, shared with the generator's
+    split state, so a test rewrites them in place and reuses the compiled program."""
+
+    token_dependent = True
+
+    def __init__(self, base: Llama, num_heads: int):
+        super().__init__(HeadsConfig("clover", num_heads), base.cfg, [])
+        v = base.cfg.vocab_size
+        self.noise = nnx.Param(jnp.zeros((v, v), jnp.float32))
+        self.first = nnx.Param(jnp.zeros((v,), jnp.int32))
+        self.second = nnx.Param(jnp.zeros((v,), jnp.int32))
+
+    def set_tables(self, first, second, noise):
+        self.first[...] = jnp.asarray(first, jnp.int32)
+        self.second[...] = jnp.asarray(second, jnp.int32)
+        self.noise[...] = jnp.asarray(noise, jnp.float32)
+
+    def context(self, base, hidden, hidden_normed, next_tokens, positions, mask, cache):
+        return hidden_normed, cache
+
+    def node_state(self, base, k, state, token):
+        return state
+
+    def node_logits(self, base, k, state, token):
+        v = self.noise.shape[-1]
+        return (self.noise[...][token] + 100 * jax.nn.one_hot(self.first[...][token], v)
+                + 50 * jax.nn.one_hot(self.second[...][token], v))
+
+
+def bigram(ref) -> dict[int, int]:
+    """next[t]: the token that most often follows t in the plain greedy continuations (the first
+    seen on a tie). The continuations disagree on some successors, so even this oracle errs."""
+    pairs = Counter((a, b) for cont in ref.free for a, b in zip(cont, cont[1:]))
+    nxt: dict[int, int] = {}
+    for (a, b), count in pairs.items():  # insertion order = first occurrence
+        if a not in nxt or count > pairs[a, nxt[a]]:
+            nxt[a] = b
+    return nxt
+
+
+@pytest.fixture(scope="module")
+def oracle(ref):
+    """(heads, generator) on a width-2 depth-4 tree: every node has a rank-0 and a rank-1 child."""
+    heads = OracleHeads(ref.base, num_heads=4)
+    return heads, SpeculativeGenerator(ref.base, heads, resolve_tree("widths:2,2,2,2", "clover", 4))
+
+
+def wrong(t: int, nxt: dict[int, int], v: int, shift: int) -> int:
+    """A token other than t's true successor (and a different one per shift)."""
+    return (nxt.get(t, 0) + shift) % v
+
+
+def test_oracle_accepts_long_runs(ref, fresh, oracle):
+    """Right at rank 0 (wherever the bigram holds): most steps accept several tokens, and EOS and
+    budgets fall inside multi-token acceptances."""
+    heads, gen = oracle
+    nxt, v = bigram(ref), ref.base.cfg.vocab_size
+    noise = np.random.default_rng(6).uniform(0, 1, (v, v))
+    heads.set_tables([nxt.get(t, wrong(t, nxt, v, 1)) for t in range(v)], [wrong(t, nxt, v, 2) for t in range(v)], noise)
+    depth = gen.tree.max_depth
+    out = gen.generate(PROMPTS, MAX_NEW)
+    check_run(out, ref.full, PROMPTS, [MAX_NEW] * 4, ref, fresh, gen)
+    hist = np.asarray(out.state.accept_hist)
+    mean_accepted = (hist @ np.arange(depth + 1)).sum() / hist.sum()
+    assert mean_accepted > 1.5, hist
+    assert out.steps < max(len(t) for t in ref.full)
+    budgeted = gen.generate(PROMPTS, MAX_NEW, budgets=BUDGETS)
+    want = [truncate(c, budget, ref.eos) for c, budget in zip(ref.free, BUDGETS)]
+    check_run(budgeted, want, PROMPTS, BUDGETS, ref, fresh, gen)
+
+
+def test_oracle_right_only_at_rank1_and_sometimes(ref, fresh, oracle):
+    """The true successor sits at rank 1 for two tokens in three and nowhere near the top for the
+    rest: accepted paths run through rank-1 nodes (non-trivial compaction), and steps accept
+    anything from 0 to several tokens."""
+    heads, gen = oracle
+    nxt, v = bigram(ref), ref.base.cfg.vocab_size
+    known = lambda t: t % 3 != 0
+    noise = np.random.default_rng(7).uniform(0, 1, (v, v))
+    for t in range(v):
+        if not known(t):
+            noise[t, nxt.get(t, 0)] = -1.0  # the successor ranks last among the children
+    heads.set_tables([wrong(t, nxt, v, 1) for t in range(v)],
+                     [nxt.get(t, 0) if known(t) else wrong(t, nxt, v, 2) for t in range(v)], noise)
+    out = gen.generate(PROMPTS, MAX_NEW)
+    check_run(out, ref.full, PROMPTS, [MAX_NEW] * 4, ref, fresh, gen)
+    total = np.asarray(out.state.accept_hist).sum(0)
+    assert total[0] > 0 and total[2:].sum() > 0, total
+
+
+# ---------------------------------------------------------------- accept and compact by hand
+
+
+def test_accept_greedy_hand_built():
+    """Tree nodes: 0 root, 1 [0], 2 [1], 3 [0, 0], 4 [0, 1], 5 [1, 0]; every row drafts the same
+    tokens and the base model's argmax per node (`target`) decides."""
+    tree = Tree.from_paths([[0], [1], [0, 0], [0, 1], [1, 0]])
+    tokens = jnp.asarray([[7, 3, 4, 1, 2, 6]] * 4, jnp.int32)
+    target = np.array([
+        [4, 2, 6, 0, 0, 9],  # node 2 (rank 1) then node 5; node 4 matches node 1's argmax but node 1 fails
+        [3, 2, 0, 0, 8, 0],  # node 1 then node 4 (rank 1 at depth 2), bonus 8
+        [5, 1, 0, 0, 0, 0],  # nothing: node 3 matches its parent's argmax, the parent does not match
+        [3, 0, 0, 0, 0, 0],  # node 1 only; bonus = node 1's argmax
+    ])  # fmt: skip
+    noise = np.random.default_rng(0).uniform(0, 1, (4, 6, 10))
+    logits = jnp.asarray(noise + 5 * np.eye(10)[target], jnp.float32)
+    best, bonus, path = jax.jit(accept_greedy, static_argnums=0)(tree, tokens, logits)
+    np.testing.assert_array_equal(best, [5, 4, 0, 1])
+    np.testing.assert_array_equal(bonus, [9, 8, 5, 0])
+    np.testing.assert_array_equal(path, [[0, 2, 5], [0, 1, 4], [0, 0, 0], [0, 1, 1]])
+
+
+def test_compact_moves_the_path_to_contiguous_slots():
+    """Every slot holds a distinct value; after compaction slots length + d hold what slot
+    length + path[d] held, and every other slot is untouched."""
+    layers, b, s, kv, h = 2, 2, 12, 1, 2
+    slot_ids = (1000 * np.arange(layers)[:, None, None] + 100 * np.arange(b)[None, :, None]
+                + np.arange(s)[None, None, :]).astype(np.float32)
+    k = np.broadcast_to(slot_ids[..., None, None], (layers, b, s, kv, h)).copy()
+    lengths = np.array([3, 6], np.int32)
+    path = np.array([[0, 2, 5], [0, 1, 1]], np.int32)  # row 1: best at depth 1, padded with itself
+    cache = KVCache(k=jnp.asarray(k), v=jnp.asarray(-k), lengths=jnp.asarray(lengths))
+    out = jax.jit(compact)(cache, jnp.asarray(path))
+    want = k.copy()
+    for row in range(b):
+        for d, node in enumerate(path[row]):
+            want[:, row, lengths[row] + d] = k[:, row, lengths[row] + node]
+    np.testing.assert_array_equal(out.k, want)
+    np.testing.assert_array_equal(out.v, -want)
+    np.testing.assert_array_equal(out.lengths, lengths)
+
+
+# ---------------------------------------------------------------- refused settings
+
+
+def test_tree_deeper_than_heads_is_refused(ref):
+    heads = make_heads(HeadsConfig("medusa", 2), ref.base)
+    with pytest.raises(CloverError, match="depth 3") as e:
+        SpeculativeGenerator(ref.base, heads, chain(3))
+    assert_one_line(e)
+
+
+def test_sampling_is_refused(ref, oracle):
+    _, gen = oracle
+    with pytest.raises(CloverError, match="temperature") as e:
+        gen.generate(PROMPTS, 4, SamplingConfig(temperature=0.8))
+    assert_one_line(e)

@@ -1,0 +1,308 @@
+"""Training data for the draft heads: prompts and responses as token ids, with a loss mask on the response.
+
+    python -m train.make_data --base DIR --prompts FILE --out DIR [--mode self|fixed] [--store-hidden float16]
+
+Two modes. `self` (self-distillation): the base model writes every response itself, batched through
+our jitted `Generator`, so the heads learn to predict exactly the text they will be asked to draft.
+`fixed`: the responses given in the file, as Clover-2 trained on ShareGPT's answers.
+
+A prompts file holds `{"prompt": ..., "response": ...}` records (the response only in fixed mode),
+Spec-Bench `{"turns": [...]}` records (self mode) or ShareGPT `{"conversations": [...]}` records, one
+JSON object per line or one JSON array; a ShareGPT record's prompt is its first human turn and its
+response the gpt/assistant turn right after. With `--chat` the prompt is rendered as a user turn of
+the tokenizer's chat template, and a fixed response as the template writes the assistant turn (so it
+ends with the template's EOS, as a self-distilled response does).
+
+The output directory (`train.data.HeadDataset` reads it):
+  tokens.npy     int32 [N]        every example's prompt + response ids, concatenated
+  offsets.npy    int64 [E + 1]    example e is tokens[offsets[e]:offsets[e + 1]]
+  loss_mask.npy  uint8 [N]        1 on response tokens, 0 on prompt tokens
+  hidden.npy     [N, D] float16 or bfloat16 (with --store-hidden; bfloat16 is stored as raw 2-byte
+                 'V2' records: view it as `ml_dtypes.bfloat16`): the base model's last hidden state
+                 before the final norm at every token, from one causal forward over the whole example
+  meta.json      written last, so a directory without it is not a finished dataset
+Every file is written under a temporary name and renamed into place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from clover_jax.checkpoint import base_fingerprint
+from clover_jax.config import ModelConfig
+from clover_jax.convert import load_pretrained
+from clover_jax.decode import BUCKETS, Generator, bucket_for
+from clover_jax.errors import CloverError
+from clover_jax.model import Llama, causal_self_mask
+from clover_jax.sampling import SamplingConfig
+from infer import cli
+from train.data import FILES, HIDDEN_DTYPES, META
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_ASSISTANT = ("gpt", "assistant", "chatgpt")
+
+
+def _record_example(record, where: str) -> tuple[str, str | None]:
+    """(prompt, response or None) of one record; the prompt is found as `infer.cli` finds it."""
+    prompt = cli._first_prompt(record, where)
+    if isinstance(record.get("response"), str):
+        return prompt, record["response"]
+    conv = record.get("conversations")
+    if isinstance(conv, list):
+        first = next((i for i, t in enumerate(conv) if isinstance(t, dict) and t.get("from") in ("human", "user")),
+                     len(conv))
+        reply = conv[first + 1] if first + 1 < len(conv) else None
+        if isinstance(reply, dict) and reply.get("from") in _ASSISTANT and isinstance(reply.get("value"), str):
+            return prompt, reply["value"]
+    return prompt, None
+
+
+def read_examples(path: str | Path) -> list[tuple[str, str | None, str]]:
+    """(prompt, response or None, where) per record of a JSONL file or a JSON array (see the module
+    docstring for the record formats); `where` names the record in error messages."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CloverError(f"{path}: cannot read the prompts file ({e.__class__.__name__}: {e})") from None
+    if text.lstrip().startswith("["):
+        try:
+            records = [(r, f"{path}: record {i + 1}") for i, r in enumerate(json.loads(text))]
+        except json.JSONDecodeError as e:
+            raise CloverError(f"{path}: not valid JSON ({e})") from None
+    else:
+        records = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    records.append((json.loads(line), f"{path}:{n}"))
+                except json.JSONDecodeError as e:
+                    raise CloverError(f"{path}:{n}: not a JSON object ({e})") from None
+    if not records:
+        raise CloverError(f"{path}: no prompts in the file")
+    return [(*_record_example(r, where), where) for r, where in records]
+
+
+def encode_response(tokenizer, prompt: str, response: str, chat: bool, eos: tuple[int, ...]) -> list[int]:
+    """Ids of a given response. With `chat`, the assistant turn as the chat template renders it after
+    the prompt's generation opening, cut after its first EOS (nothing the model would generate follows)."""
+    if not chat:
+        return [int(i) for i in tokenizer(response, add_special_tokens=False)["input_ids"]]
+    user = [{"role": "user", "content": prompt}]
+    opening = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    full = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": response}], tokenize=False)
+    # A template that does not extend its own generation opening: fall back to the text plus EOS.
+    tail = full[len(opening):] if full.startswith(opening) else response + (tokenizer.eos_token or "")
+    ids = [int(i) for i in tokenizer(tail, add_special_tokens=False)["input_ids"]]
+    ends = [k for k, t in enumerate(ids) if t in eos]
+    return ids[: ends[0] + 1] if ends else ids
+
+
+def _check_ids(ids: list[int], vocab: int, where: str) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise CloverError(f"{where}: token id {bad[0]} is outside the model's vocabulary of {vocab}; "
+                          "the tokenizer does not match the model")
+
+
+def self_distill(model: Llama, prompts: list[list[int]], max_new_tokens: int, max_len: int, batch_size: int,
+                 sampling: SamplingConfig, seed: int, eos: tuple[int, ...]) -> list[list[int]]:
+    """The base model's own responses (EOS included when hit). Batch k uses seed + k; the last batch
+    is padded with copies of its first prompt so every batch has one compiled shape."""
+    gen = Generator(model, max_len=max_len)
+    out: list[list[int]] = []
+    groups = cli.batches(prompts, batch_size)
+    for k, group in enumerate(tqdm(groups, desc="generate", unit="batch", dynamic_ncols=True)):
+        # Near the context limit the budget shrinks so prompt + response still fits the cache.
+        new = min(max_new_tokens, max_len - max(len(p) for p in group))
+        padded = list(group) + [group[0]] * (batch_size - len(group))
+        result = gen.generate(padded, new, sampling=sampling, seed=seed + k, eos_ids=eos)
+        out.extend(result.tokens[: len(group)])
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames="dtype")
+def _last_hidden(graphdef, params, tokens: jax.Array, *, dtype: str) -> jax.Array:
+    """tokens [B, T] -> the last layer's output before the final norm [B, T, D], cast to `dtype`."""
+    model = nnx.merge(graphdef, params)
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    hidden = model(tokens, positions, causal_self_mask(b, t), with_logits=False).hidden
+    return hidden.astype(dtype)
+
+
+def write_hidden(model: Llama, tokens: np.ndarray, offsets: np.ndarray, out: np.ndarray, batch_size: int,
+                 max_len: int) -> None:
+    """Fill `out` [N, D] with the hidden state at every token, one causal forward per example.
+
+    Examples go through in order of length, right-padded to a length bucket (so a few programs are
+    compiled) in batches of a fixed size; right padding changes nothing at the real positions."""
+    graphdef, params = nnx.split(model)
+    buckets = tuple(b for b in BUCKETS if b < max_len) + (max_len,)
+    lengths = np.diff(offsets)
+    order = np.argsort(lengths, kind="stable")
+    for group in tqdm(cli.batches(order, batch_size), desc="hidden states", unit="batch", dynamic_ncols=True):
+        t = bucket_for(int(lengths[group].max()), buckets)
+        batch = np.zeros((batch_size, t), np.int32)
+        for row, e in enumerate(group):
+            batch[row, : lengths[e]] = tokens[offsets[e]: offsets[e + 1]]
+        hidden = np.asarray(_last_hidden(graphdef, params, jnp.asarray(batch), dtype=out.dtype.name))
+        for row, e in enumerate(group):
+            out[offsets[e]: offsets[e + 1]] = hidden[row, : lengths[e]]
+
+
+def _prepare_out(out: Path) -> None:
+    """Make `out` ready for a new dataset: refuse a directory holding anything else, and remove an
+    old dataset's meta.json first, so an interrupted run never leaves old and new files looking whole."""
+    out.mkdir(parents=True, exist_ok=True)
+    ours = (META,) + FILES + tuple(name + ".tmp" for name in (META,) + FILES)  # meta.json goes first
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in ours)
+    if foreign:
+        raise CloverError(f"{out}: holds {foreign[0]}, which is not part of a dataset; choose an empty or "
+                          "new --out directory")
+    for name in ours:
+        (out / name).unlink(missing_ok=True)
+
+
+def _save_npy(path: Path, array: np.ndarray) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.save(f, array)
+    os.replace(tmp, path)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m train.make_data",
+        description="Make a draft-head training set: run the base model over prompts and store token ids, a "
+                    "loss mask on the response part and, optionally, the base model's hidden states.",
+        epilog="Prompt records: {\"prompt\": ..., \"response\": ...}, Spec-Bench {\"turns\": [...]} (self mode) "
+               "or ShareGPT {\"conversations\": [...]} (first human turn -> prompt, the gpt turn after it -> "
+               "response), one JSON object per line or a JSON array.")
+    p.add_argument("--base", required=True, metavar="DIR",
+                   help="the base model: a Hugging Face checkpoint directory with its tokenizer files")
+    p.add_argument("--prompts", required=True, metavar="FILE", help="JSONL (or JSON array) file of records")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="dataset directory to write (created; an old dataset there is replaced)")
+    p.add_argument("--mode", choices=("self", "fixed"), default="self",
+                   help="self: the base model writes the responses (self-distillation); fixed: use the "
+                        "responses in the file (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
+                   help="self mode: most tokens per response; generation also stops at EOS (default: %(default)s)")
+    p.add_argument("--max-len", type=int, metavar="N",
+                   help="longest example (prompt + response) in tokens; fixed responses are cut to fit "
+                        "(default: the model's max_position_embeddings)")
+    p.add_argument("--batch-size", type=int, default=8, metavar="N",
+                   help="sequences per generation or hidden-state batch (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="self mode: sampling temperature; 0 is greedy (default: %(default)s)")
+    p.add_argument("--chat", action="store_true",
+                   help="render each prompt (and a fixed response) with the tokenizer's chat template")
+    p.add_argument("--store-hidden", choices=("none",) + tuple(HIDDEN_DTYPES), default="none",
+                   help="also store the base model's last hidden state (before the final norm) at every token "
+                        "in this dtype, so training need not run the base model (default: %(default)s)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                   help="dtype the base model runs in, for generation and hidden states (default: %(default)s)")
+    p.add_argument("--limit", type=int, metavar="N", help="use only the first N records of the file")
+    p.add_argument("--seed", type=int, default=0, metavar="S",
+                   help="self mode: sampling seed; generation batch k uses S+k (default: %(default)s)")
+    return p
+
+
+def make_data(args: argparse.Namespace) -> int:
+    for name in ("max_new_tokens", "batch_size"):
+        if getattr(args, name) < 1:
+            raise CloverError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    if args.limit is not None and args.limit < 1:
+        raise CloverError(f"--limit {args.limit} must be >= 1")
+    sampling = SamplingConfig(temperature=args.temperature)
+    base_dir = cli.model_dir(args.base)
+    cfg = ModelConfig.from_pretrained(base_dir)
+    max_len = cfg.max_position_embeddings if args.max_len is None else args.max_len
+    if not 2 <= max_len <= cfg.max_position_embeddings:
+        raise CloverError(f"--max-len {max_len} must be in [2, {cfg.max_position_embeddings}] (a prompt token plus "
+                          "a response token, at most the model's max_position_embeddings)")
+    records = read_examples(args.prompts)[: args.limit]
+    tokenizer = cli.load_tokenizer(base_dir)
+    eos = cli.eos_ids(base_dir, cfg, tokenizer)
+
+    prompts = []
+    for text, _, where in records:
+        ids = cli.encode(tokenizer, text, chat=args.chat, bos_id=cfg.bos_token_id)
+        _check_ids(ids, cfg.vocab_size, where)
+        if len(ids) >= max_len:
+            raise CloverError(f"{where}: the prompt is {len(ids)} tokens, leaving no room for a response in "
+                              f"--max-len {max_len}; shorten it, drop the record or raise --max-len")
+        prompts.append(ids)
+    if args.mode == "fixed":
+        responses = []
+        for text, response, where in records:
+            if response is None:
+                raise CloverError(f"{where}: no response in the record; --mode fixed needs "
+                                  "{\"prompt\": ..., \"response\": ...} or ShareGPT conversations with a gpt turn "
+                                  "after the first human turn (or use --mode self)")
+            ids = encode_response(tokenizer, text, response, args.chat, eos)
+            _check_ids(ids, cfg.vocab_size, where)
+            responses.append(ids)
+
+    _, model = load_pretrained(base_dir, dtype=DTYPES[args.dtype])
+    out = Path(args.out)
+    _prepare_out(out)
+    if args.mode == "self":
+        responses = self_distill(model, prompts, args.max_new_tokens, max_len, args.batch_size, sampling,
+                                 args.seed, eos)
+    examples = [(p, r[: max_len - len(p)]) for p, r in zip(prompts, responses)]
+    empty = sum(1 for _, r in examples if not r)
+    examples = [(p, r) for p, r in examples if r]
+    if not examples:
+        raise CloverError(f"{args.prompts}: every response is empty; nothing to train on")
+    if empty:
+        print(f"skipped {empty} records with an empty response", file=sys.stderr)
+
+    tokens = np.concatenate([np.asarray(p + r, np.int32) for p, r in examples])
+    mask = np.concatenate([np.repeat(np.uint8([0, 1]), [len(p), len(r)]) for p, r in examples])
+    offsets = np.concatenate([[0], np.cumsum([len(p) + len(r) for p, r in examples])]).astype(np.int64)
+    hidden_dtype = None if args.store_hidden == "none" else args.store_hidden
+    if hidden_dtype:
+        tmp = out / "hidden.npy.tmp"
+        hidden = np.lib.format.open_memmap(tmp, mode="w+", dtype=HIDDEN_DTYPES[hidden_dtype],
+                                           shape=(len(tokens), cfg.hidden_size))
+        write_hidden(model, tokens, offsets, hidden, args.batch_size, max_len)
+        hidden.flush()
+        del hidden
+        os.replace(tmp, out / "hidden.npy")
+    _save_npy(out / "tokens.npy", tokens)
+    _save_npy(out / "offsets.npy", offsets)
+    _save_npy(out / "loss_mask.npy", mask)
+    meta = {"base_fingerprint": base_fingerprint(model), "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.hidden_size, "num_examples": len(examples), "num_tokens": int(len(tokens)),
+            "num_response_tokens": int(mask.sum()), "mode": args.mode, "max_len": max_len,
+            "hidden_dtype": hidden_dtype, "prompts_file": str(args.prompts), "created_by": "train.make_data",
+            "chat": args.chat, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+            "temperature": args.temperature, "seed": args.seed}
+    tmp = out / (META + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=2) + "\n")
+    os.replace(tmp, out / META)
+    print(f"wrote {len(examples)} examples ({len(tokens)} tokens, {meta['num_response_tokens']} in responses) "
+          f"to {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return cli.run_main(lambda: make_data(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

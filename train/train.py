@@ -1,0 +1,226 @@
+"""Train draft heads on a frozen base model.
+
+    python -m train.train --method clover2 --base models/reference --data data/heads --out models/reference/heads/clover2
+
+Only the heads are trained: the base model's parameters enter the loss as a separate, stop-gradient
+argument, and the optimizer state covers the heads alone. Batches are a pure function of (seed, step)
+and orbax saves heads, optimizer state and step together, so `--resume` after a kill continues exactly.
+The result is exported as safetensors + JSON (`clover_jax.checkpoint`) that `infer.generate --heads`
+loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from tqdm import tqdm
+
+from clover_jax.checkpoint import save_heads
+from clover_jax.convert import load_pretrained
+from clover_jax.errors import CloverError
+from clover_jax.heads import DEFAULT_NUM_HEADS, METHODS, Heads, HeadsConfig, make_heads
+from clover_jax.model import Llama, causal_self_mask
+from train import losses
+from train.data import HeadDataset
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def base_states(base: Llama, tokens: jax.Array, hidden: jax.Array | None):
+    """(hidden, hidden_normed, logits) of the frozen base at every position: from stored hidden states
+    when the dataset has them, else from a forward pass; never differentiated."""
+    if hidden is None:
+        b, t = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        hidden = base(tokens, positions, causal_self_mask(b, t), with_logits=False).hidden
+    hidden = jax.lax.stop_gradient(hidden.astype(base.dtype))
+    normed = base.norm(hidden)
+    return hidden, normed, jax.lax.stop_gradient(base.logits(normed))
+
+
+def head_loss(heads: Heads, base: Llama, batch: dict):
+    """(loss, metrics) of one batch: the method's loss plus per-head losses and top-1 accuracy."""
+    tokens, mask = batch["tokens"], batch["loss_mask"]
+    hidden, normed, base_logits = base_states(base, tokens, batch.get("hidden"))
+    head_hidden = heads.unroll(base, hidden, normed, tokens)  # [K, B, T, D]
+    head_logits = base.logits(head_hidden)
+    if heads.hcfg.method == "clover2":
+        loss, per_head, masks, targets = losses.distill_loss(head_hidden, head_logits, normed, base_logits, tokens, mask)
+    else:
+        loss, per_head, masks, targets = losses.cross_entropy_loss(head_logits, tokens, mask)
+    metrics = {"loss": loss, "head_loss": per_head,
+               "top1": losses.topk_accuracy(head_logits, targets, masks, 1),
+               "top5": losses.topk_accuracy(head_logits, targets, masks, 5)}
+    return loss, metrics
+
+
+def make_optimizer(args) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, max(args.steps, args.warmup + 1),
+                                                  end_value=args.lr * 0.1)
+    return optax.chain(optax.clip(0.5), optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.0))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m train.train",
+        description="Train Medusa, Clover or Clover-2 draft heads on a frozen base model, from a dataset "
+                    "made by train.make_data. Rerun with --resume to continue a killed run exactly.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--method", choices=METHODS, required=True, help="head architecture to train")
+    p.add_argument("--base", required=True, metavar="DIR", help="base model (Hugging Face checkpoint directory)")
+    p.add_argument("--data", required=True, metavar="DIR", help="dataset directory written by train.make_data")
+    p.add_argument("--out", required=True, metavar="DIR", help="where the final heads (safetensors + JSON) go")
+    p.add_argument("--work-dir", metavar="DIR", help="orbax checkpoints and metrics.jsonl (default: OUT/../run-METHOD)")
+    p.add_argument("--num-heads", type=int, help="number of heads (default: medusa 4, clover 3, clover2 5)")
+    p.add_argument("--embed-source", choices=("lm_head", "input"), default="lm_head",
+                   help="Clover-2 token embeddings: a frozen copy of lm_head, or the input embedding table")
+    p.add_argument("--steps", type=int, default=1000, help="optimizer steps (the schedule's length)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per training window")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW, betas 0.9/0.95)")
+    p.add_argument("--warmup", type=int, default=50, help="linear warmup steps before the cosine decay")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16",
+                   help="compute dtype of the base model and heads (optimizer state stays float32)")
+    p.add_argument("--eval-every", type=int, default=100, help="held-out evaluation period (steps)")
+    p.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation")
+    p.add_argument("--val-fraction", type=float, default=0.05, help="share of examples held out")
+    p.add_argument("--ckpt-every", type=int, default=100, help="checkpoint period (steps)")
+    p.add_argument("--keep", type=int, default=2, help="latest checkpoints kept (the best one is kept too)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --work-dir")
+    p.add_argument("--seed", type=int, default=0, help="head initialisation and batch-order seed")
+    p.add_argument("--max-minutes", type=float, default=0,
+                   help="stop cleanly (checkpoint, no export) after this many minutes; 0 = no limit")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except CloverError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args) -> int:
+    for name in ("steps", "batch_size", "seq_len", "eval_every", "ckpt_every", "keep"):
+        if getattr(args, name) < 1:
+            raise CloverError(f"--{name.replace('_', '-')} must be >= 1")
+    dtype = DTYPES[args.dtype]
+    _, base = load_pretrained(args.base, dtype=dtype)
+    data = HeadDataset(args.data)
+    data.check_base(base)
+    data.check_vocab(base.cfg.vocab_size)
+    if args.seq_len > base.cfg.max_position_embeddings:
+        raise CloverError(f"--seq-len {args.seq_len} exceeds the base model's context "
+                          f"({base.cfg.max_position_embeddings}); lower it")
+    train_idx, val_idx = data.split(args.val_fraction)
+    hcfg = HeadsConfig(args.method, args.num_heads or DEFAULT_NUM_HEADS[args.method], args.embed_source)
+    heads = make_heads(hcfg, base, seed=args.seed)
+    # Float32 master weights; the forward casts them to the activations' dtype.
+    nnx.update(heads, jax.tree.map(lambda x: x.astype(jnp.float32), nnx.state(heads, nnx.Param)))
+    head_graphdef, params = nnx.split(heads)
+    base_graphdef, base_params = nnx.split(base)
+    optimizer = make_optimizer(args)
+    opt_state = optimizer.init(params)
+
+    work = Path(args.work_dir or Path(args.out).parent / f"run-{args.method}").resolve()
+    last = ocp.CheckpointManager(work / "checkpoints", options=ocp.CheckpointManagerOptions(max_to_keep=args.keep))
+    best = ocp.CheckpointManager(work / "best", options=ocp.CheckpointManagerOptions(
+        max_to_keep=1, best_fn=lambda m: m["val_loss"], best_mode="min"))
+    start = 0
+    if last.latest_step() is not None:
+        if not args.resume:
+            raise CloverError(f"{work} already holds checkpoints; pass --resume to continue, or another --work-dir")
+        start = last.latest_step()
+        restored = last.restore(start, args=ocp.args.StandardRestore({"params": params, "opt_state": opt_state}))
+        params, opt_state = restored["params"], restored["opt_state"]
+        print(f"resumed from step {start} in {work}", file=sys.stderr)
+
+    def loss_on(p, bp, batch):
+        return head_loss(nnx.merge(head_graphdef, p), nnx.merge(base_graphdef, jax.lax.stop_gradient(bp)), batch)
+
+    @jax.jit
+    def train_step(p, opt_state, bp, batch):
+        (_, metrics), grads = jax.value_and_grad(loss_on, has_aux=True)(p, bp, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, p)
+        return optax.apply_updates(p, updates), opt_state, metrics
+
+    evaluate = jax.jit(lambda p, bp, batch: loss_on(p, bp, batch)[1])
+
+    def to_device(batch):
+        return {k: jnp.asarray(v) for k, v in batch.items() if v is not None}
+
+    def held_out(step):
+        sums, n = None, 0
+        for i, batch in enumerate(data.eval_batches(args.seq_len, args.batch_size, val_idx)):
+            if i >= args.eval_batches:
+                break
+            m = jax.device_get(evaluate(params, base_params, to_device(batch)))
+            sums = m if sums is None else jax.tree.map(np.add, sums, m)
+            n += 1
+        if not n:
+            return {}
+        m = jax.tree.map(lambda x: np.asarray(x) / n, sums)
+        return {"val_loss": float(m["loss"]), "val_top1": m["top1"].tolist(), "val_top5": m["top5"].tolist()}
+
+    metrics_file = (work / "metrics.jsonl").open("a")
+
+    def record(step, **values):
+        metrics_file.write(json.dumps({"step": step, "time": time.time(), **values}) + "\n")
+        metrics_file.flush()
+
+    def save(step, ev):
+        state = {"params": params, "opt_state": opt_state}
+        last.save(step, args=ocp.args.StandardSave(state))
+        if ev:
+            best.save(step, args=ocp.args.StandardSave(state), metrics={"val_loss": ev["val_loss"]})
+
+    t0 = time.time()
+    ev: dict = {}
+    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc=f"train {args.method}",
+               dynamic_ncols=True)
+    for step in bar:
+        batch = data.batch_at(step, args.batch_size, args.seq_len, args.seed, train_idx)
+        params, opt_state, m = train_step(params, opt_state, base_params, to_device(batch))
+        done = step + 1
+        if done % 10 == 0 or done == args.steps:
+            m = jax.device_get(m)
+            record(done, loss=float(m["loss"]), top1=np.asarray(m["top1"]).tolist())
+            bar.set_postfix(loss=f"{float(m['loss']):.3f}",
+                            top1="/".join(f"{a:.2f}" for a in np.asarray(m["top1"])))
+        if done % args.eval_every == 0 or done == args.steps:
+            ev = held_out(done)
+            if ev:
+                record(done, **ev)
+                bar.write(f"step {done}: val_loss={ev['val_loss']:.4f} top1={[round(a, 3) for a in ev['val_top1']]} "
+                          f"top5={[round(a, 3) for a in ev['val_top5']]}")
+        if done % args.ckpt_every == 0 or done == args.steps:
+            save(done, ev if done % args.eval_every == 0 or done == args.steps else {})
+        if args.max_minutes and time.time() - t0 > args.max_minutes * 60 and done < args.steps:
+            save(done, {})
+            last.wait_until_finished()
+            print(f"stopped after {args.max_minutes} minutes at step {done}; rerun with --resume", file=sys.stderr)
+            return 0
+    last.wait_until_finished()
+    best.wait_until_finished()
+    nnx.update(heads, params)
+    extra = {"training": {k: v for k, v in vars(args).items() if k != "resume"}, "final_step": args.steps,
+             "held_out": ev}
+    save_heads(heads, base, args.out, extra=extra)
+    print(f"saved {args.method} heads to {args.out}" + (f": held-out top1 {ev['val_top1']}" if ev else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
