@@ -92,7 +92,7 @@ def generate_plain(graphdef, params, prompts, prompt_lens, budgets, keys, *, sam
 @dataclasses.dataclass
 class GenerationOutput:
     tokens: list[list[int]]  # per prompt, the new tokens (EOS included when hit)
-    steps: int  # forward passes after the prefill
+    steps: int  # forward passes of the batch, the prefill included
     compile_seconds: float  # 0 when the program was already compiled
     run_seconds: float
     sequence_steps: list[int] = dataclasses.field(default_factory=list)  # forward passes each sequence took
@@ -196,6 +196,7 @@ class Generator:
         tokens = [toks[i, : num[i]].tolist() for i in range(b)]
         hist = np.asarray(state.accept_hist) if hasattr(state, "accept_hist") else None
         # The prefill's forward pass yields each sequence's first token.
-        seq_steps = (hist.sum(-1) + 1).tolist() if hist is not None else [len(t) for t in tokens]
+        seq_steps = (np.where(num > 0, hist.sum(-1) + 1, 0).tolist() if hist is not None
+                     else [len(t) for t in tokens])
         return GenerationOutput(tokens=tokens, steps=int(state.step) + 1, compile_seconds=compile_s,
                                 run_seconds=run_s, sequence_steps=seq_steps, accept_hist=hist, state=state)

@@ -182,7 +182,8 @@ def check_run(out, want, prompts, budgets, ref, fresh, gen):
 # ---------------------------------------------------------------- random heads
 
 
-@pytest.mark.parametrize("spec,batch", CASES, ids=lambda x: x if isinstance(x, str) else f"b{x}" if x else "default")
+@pytest.mark.parametrize("spec,batch", CASES,
+                         ids=lambda x: x if isinstance(x, str) else f"b{x}" if x else "default")
 @pytest.mark.parametrize("method", ["medusa", "clover", "clover2"])
 def test_greedy_matches_plain(ref, fresh, random_generators, method, spec, batch):
     """Prompts of different lengths, one of them stopped by EOS mid-way; then per-sequence budgets."""
@@ -260,7 +261,8 @@ def test_oracle_accepts_long_runs(ref, fresh, oracle):
     heads, gen = oracle
     nxt, v = bigram(ref), ref.base.cfg.vocab_size
     noise = np.random.default_rng(6).uniform(0, 1, (v, v))
-    heads.set_tables([nxt.get(t, wrong(t, nxt, v, 1)) for t in range(v)], [wrong(t, nxt, v, 2) for t in range(v)], noise)
+    heads.set_tables([nxt.get(t, wrong(t, nxt, v, 1)) for t in range(v)],
+                     [wrong(t, nxt, v, 2) for t in range(v)], noise)
     depth = gen.tree.max_depth
     out = gen.generate(PROMPTS, MAX_NEW)
     check_run(out, ref.full, PROMPTS, [MAX_NEW] * 4, ref, fresh, gen)
