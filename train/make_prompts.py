@@ -87,15 +87,17 @@ def _prompt(lines: list[str], span: tuple[int, int, int, int], body_lines: int, 
 
 def make_prompts(tokenizer=None, count: int = 300, seed: int = 0, max_tokens: int = 200,
                  max_chars: int = 800, body_lines: int = 4, context_lines: int = 30,
-                 files: list[str] | None = None, root: pathlib.Path | None = None) -> list[dict]:
+                 files: list[str] | None = None, root: pathlib.Path | None = None,
+                 split: str = "test") -> list[dict]:
     """Up to `count` prompts as {"prompt": str, "source": "relpath:lineno"}, sorted by source.
 
     `tokenizer` (object, tokenizer.json or its directory) sets the budget in tokens (`max_tokens`);
-    without one it is `max_chars` characters. `files` defaults to the test split. Which definitions
+    without one it is `max_chars` characters. `files` defaults to the `split` (the held-out test split
+for evaluation; head training takes its prompts from the train split). Which definitions
     are picked depends only on `seed` and the files, so the set is reproducible.
     """
     length, budget = _length_fn(tokenizer, max_tokens, max_chars)
-    files = corpus.split_files(corpus.list_files(root))["test"] if files is None else files
+    files = corpus.split_files(corpus.list_files(root))[split] if files is None else files
     texts = {rel: corpus.read_text(rel, root) for rel in files}
     lines = {rel: _lines(text) for rel, text in texts.items()}
     candidates = [(rel, span) for rel in sorted(texts) for span in _spans(texts[rel])]
@@ -145,12 +147,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="seed that picks which definitions are used (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=200,
                         help="longest prompt, in tokens (default: %(default)s)")
+    parser.add_argument("--split", choices=corpus.SPLITS, default="test",
+                        help="corpus split the definitions come from: test for evaluation, train for "
+                             "head-training data (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
         if args.count < 1 or args.max_tokens < 1:
             raise CloverError("--count and --max-tokens must be positive")
         prompts = make_prompts(args.tokenizer, args.count, args.seed, args.max_tokens,
-                               max_chars=4 * args.max_tokens)
+                               max_chars=4 * args.max_tokens, split=args.split)
         path = write_jsonl(prompts, args.out)
     except CloverError as e:
         print(f"error: {e}", file=sys.stderr)
