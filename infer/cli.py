@@ -32,7 +32,7 @@ def model_dir(path: str | Path | None) -> Path:
     return path
 
 
-def _first_prompt(record, where: str) -> str:
+def first_prompt(record, where: str) -> str:
     """The prompt of one record: {"prompt"}, Spec-Bench {"turns"} (first turn) or ShareGPT
     {"conversations"} (first human turn)."""
     if isinstance(record, dict):
@@ -51,9 +51,9 @@ def _first_prompt(record, where: str) -> str:
                       "or ShareGPT {\"conversations\": [{\"from\": \"human\", \"value\": ...}]}")
 
 
-def read_prompts(path: str | Path) -> list[str]:
-    """Prompt texts from a JSONL file (one record per line) or a JSON array of records (ShareGPT's
-    usual form). See `_first_prompt` for the record formats."""
+def read_records(path: str | Path) -> list[tuple[dict, str]]:
+    """(record, where) for each record of a JSONL file (one per line) or a JSON array (ShareGPT's usual
+    form); `where` names the record ("file:line") in error messages."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -61,23 +61,25 @@ def read_prompts(path: str | Path) -> list[str]:
         raise CloverError(f"{path}: cannot read the prompts file ({e.__class__.__name__}: {e})") from None
     if text.lstrip().startswith("["):
         try:
-            records = json.loads(text)
+            records = [(r, f"{path}: record {i + 1}") for i, r in enumerate(json.loads(text))]
         except json.JSONDecodeError as e:
             raise CloverError(f"{path}: not valid JSON ({e})") from None
-        prompts = [_first_prompt(r, f"{path}: record {i + 1}") for i, r in enumerate(records)]
     else:
-        prompts = []
+        records = []
         for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise CloverError(f"{path}:{n}: not a JSON object ({e})") from None
-            prompts.append(_first_prompt(record, f"{path}:{n}"))
-    if not prompts:
+            if line.strip():
+                try:
+                    records.append((json.loads(line), f"{path}:{n}"))
+                except json.JSONDecodeError as e:
+                    raise CloverError(f"{path}:{n}: not a JSON object ({e})") from None
+    if not records:
         raise CloverError(f"{path}: no prompts in the file")
-    return prompts
+    return records
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """Prompt texts of a prompts file (see `read_records`, and `first_prompt` for the record formats)."""
+    return [first_prompt(record, where) for record, where in read_records(path)]
 
 
 def load_tokenizer(path: Path):

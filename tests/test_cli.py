@@ -12,17 +12,21 @@ import subprocess
 import sys
 
 import pytest
+from flax import nnx
 
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import Generator
+from clover_jax.model import Llama
 from clover_jax.sampling import SamplingConfig
 from infer import cli, generate
 from train import tokenizer as tokenizer_lib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FLAGS = ("--model", "--prompt", "--prompts", "--chat", "--method", "--max-new-tokens", "--temperature",
-         "--top-p", "--top-k", "--seed", "--dtype", "--max-len", "--batch-size", "--json")
-STATS = re.compile(r"^\[plain\] new_tokens=\d+ steps=\d+ tokens/s=[\d.]+ compile=[\d.]+s run=[\d.]+s$")
+         "--top-p", "--top-k", "--seed", "--dtype", "--max-len", "--batch-size", "--json",
+         "--heads", "--tree", "--num-heads")
+STATS = re.compile(r"^\[(plain|medusa|clover|clover2)\] new_tokens=\d+ steps=\d+ tau=[\d.]+ tokens/s=[\d.]+ "
+                   r"compile=[\d.]+s run=[\d.]+s$")
 TEXTS = ["def add(a, b):\n    return a + b\n", "class Point:\n    def __init__(self, x):\n        self.x = x\n",
          "import os\nprint(os.getcwd())\n", "for i in range(10):\n    print(i)\n"] * 4
 NEW = 6  # new tokens per prompt in every test, so most tests share one compiled shape
@@ -75,6 +79,34 @@ def test_prompt_text_is_the_librarys_generation(model_dir, hf_tok, library, caps
     assert out == hf_tok.decode(tokens, skip_special_tokens=True) + "\n"
     assert STATS.match(err.strip()), err
     assert f"new_tokens={len(tokens)} " in err
+
+
+@pytest.mark.parametrize("method", ["medusa", "clover2"])
+def test_speculative_methods_print_the_plain_text(method, model_dir, hf_tok, library, capsys, tmp_path):
+    """Greedy speculative decoding through the CLI: the same text as plain decoding, from random heads
+    and from a heads directory written by `save_heads`; heads of another base model are refused."""
+    from clover_jax.checkpoint import save_heads
+    from clover_jax.heads import HeadsConfig, make_heads
+
+    prompt = "def add(a, b):"
+    [tokens] = library([hf_tok(prompt)["input_ids"]])
+    expected = hf_tok.decode(tokens, skip_special_tokens=True) + "\n"
+    code, out, err = run_cli(capsys, "--model", model_dir, "--prompt", prompt, "--max-new-tokens", NEW,
+                             "--method", method, "--heads", "random", "--tree", "chain:2")
+    assert (code, out) == (0, expected), err
+    assert STATS.match(err.strip()) and err.startswith(f"[{method}]"), err
+    _, model = load_pretrained(model_dir)
+    save_heads(make_heads(HeadsConfig(method, 2), model, seed=1), model, tmp_path / "heads")
+    code, out, err = run_cli(capsys, "--model", model_dir, "--prompt", prompt, "--max-new-tokens", NEW,
+                             "--method", method, "--heads", tmp_path / "heads")
+    assert (code, out) == (0, expected), err
+    code, out, err = run_cli(capsys, "--model", model_dir, "--prompt", prompt, "--method", method)
+    assert code == 2 and err.startswith(f"error: no {method} heads at") and err.count("\n") == 1
+    other = make_heads(HeadsConfig(method, 2), Llama(model.cfg, rngs=nnx.Rngs(5)))
+    save_heads(other, Llama(model.cfg, rngs=nnx.Rngs(5)), tmp_path / "other")
+    code, out, err = run_cli(capsys, "--model", model_dir, "--prompt", prompt, "--method", method,
+                             "--heads", tmp_path / "other")
+    assert code == 2 and "trained for another base model" in err and err.count("\n") == 1
 
 
 def test_sampling_flags_reach_the_sampler(model_dir, hf_tok, library, capsys):

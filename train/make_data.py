@@ -55,7 +55,7 @@ _ASSISTANT = ("gpt", "assistant", "chatgpt")
 
 def _record_example(record, where: str) -> tuple[str, str | None]:
     """(prompt, response or None) of one record; the prompt is found as `infer.cli` finds it."""
-    prompt = cli._first_prompt(record, where)
+    prompt = cli.first_prompt(record, where)
     if isinstance(record.get("response"), str):
         return prompt, record["response"]
     conv = record.get("conversations")
@@ -71,27 +71,7 @@ def _record_example(record, where: str) -> tuple[str, str | None]:
 def read_examples(path: str | Path) -> list[tuple[str, str | None, str]]:
     """(prompt, response or None, where) per record of a JSONL file or a JSON array (see the module
     docstring for the record formats); `where` names the record in error messages."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise CloverError(f"{path}: cannot read the prompts file ({e.__class__.__name__}: {e})") from None
-    if text.lstrip().startswith("["):
-        try:
-            records = [(r, f"{path}: record {i + 1}") for i, r in enumerate(json.loads(text))]
-        except json.JSONDecodeError as e:
-            raise CloverError(f"{path}: not valid JSON ({e})") from None
-    else:
-        records = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    records.append((json.loads(line), f"{path}:{n}"))
-                except json.JSONDecodeError as e:
-                    raise CloverError(f"{path}:{n}: not a JSON object ({e})") from None
-    if not records:
-        raise CloverError(f"{path}: no prompts in the file")
-    return [(*_record_example(r, where), where) for r, where in records]
+    return [(*_record_example(r, where), where) for r, where in cli.read_records(path)]
 
 
 def encode_response(tokenizer, prompt: str, response: str, chat: bool, eos: tuple[int, ...]) -> list[int]:
