@@ -1,0 +1,91 @@
+"""Heads on disk: exact round trip, and one clear line for every wrong heads directory."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from clover_jax.checkpoint import WEIGHTS, base_fingerprint, load_heads, save_heads
+from clover_jax.config import ModelConfig
+from clover_jax.errors import CloverError
+from clover_jax.heads import HeadsConfig, make_heads
+from clover_jax.model import Llama
+
+
+@pytest.fixture(scope="module")
+def base():
+    return Llama(ModelConfig.tiny(), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("method", ["medusa", "clover", "clover2"])
+def test_round_trip_is_exact(method, base, tmp_path):
+    heads = make_heads(HeadsConfig(method, 3), base, seed=7)
+    save_heads(heads, base, tmp_path, extra={"note": "x"})
+    loaded = load_heads(tmp_path, base, method)
+    for a, b in zip(jax.tree.leaves(nnx.state(heads, nnx.Param)), jax.tree.leaves(nnx.state(loaded, nnx.Param))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    meta = json.loads((tmp_path / "heads.json").read_text())
+    assert meta["base_fingerprint"] == base_fingerprint(base) and meta["note"] == "x"
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_fingerprint_ignores_dtype_but_not_weights(base):
+    assert base_fingerprint(base) == base_fingerprint(
+        nnx.merge(*nnx.split(base))) != base_fingerprint(Llama(base.cfg, rngs=nnx.Rngs(1)))
+    as_bf16 = nnx.merge(nnx.split(base)[0], jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.split(base)[1]))
+    assert base_fingerprint(as_bf16) == base_fingerprint(base)
+
+
+def _one_line(err: pytest.ExceptionInfo) -> str:
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+def test_wrong_base_and_wrong_method_are_refused(base, tmp_path):
+    save_heads(make_heads(HeadsConfig("clover", 2), base), base, tmp_path)
+    with pytest.raises(CloverError, match="trained for another base model") as err:
+        load_heads(tmp_path, Llama(base.cfg, rngs=nnx.Rngs(3)))
+    _one_line(err)
+    with pytest.raises(CloverError, match="holds clover heads, not medusa") as err:
+        load_heads(tmp_path, base, "medusa")
+    _one_line(err)
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("no_json", "no heads.json"),
+    ("bad_json", "not a valid heads config"),
+    ("bad_method", "not a valid heads config|unknown method"),
+    ("no_weights", "cannot read heads.safetensors"),
+    ("missing_tensor", "lacks tensor"),
+    ("extra_tensor", "has unexpected tensor"),
+    ("misshaped_tensor", "has shape"),
+])
+def test_damaged_heads_directory_is_one_clear_line(damage, message, base, tmp_path):
+    save_heads(make_heads(HeadsConfig("medusa", 2), base), base, tmp_path)
+    meta_path, weights_path = tmp_path / "heads.json", tmp_path / WEIGHTS
+    tensors = load_file(str(weights_path))
+    name = sorted(tensors)[0]
+    if damage == "no_json":
+        meta_path.unlink()
+    elif damage == "bad_json":
+        meta_path.write_text("{not json")
+    elif damage == "bad_method":
+        meta = json.loads(meta_path.read_text())
+        meta["heads"]["method"] = "eagle"
+        meta_path.write_text(json.dumps(meta))
+    elif damage == "no_weights":
+        weights_path.unlink()
+    elif damage == "missing_tensor":
+        save_file({k: v for k, v in tensors.items() if k != name}, str(weights_path))
+    elif damage == "extra_tensor":
+        save_file({**tensors, "stray.weight": np.zeros(3, np.float32)}, str(weights_path))
+    elif damage == "misshaped_tensor":
+        save_file({**tensors, name: np.zeros(tensors[name].shape + (2,), np.float32)}, str(weights_path))
+    with pytest.raises(CloverError, match=message) as err:
+        load_heads(tmp_path, base)
+    _one_line(err)
