@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-every", type=int, default=100, help="held-out evaluation period (steps)")
     p.add_argument("--eval-windows", type=int, default=32, help="held-out windows per evaluation")
     p.add_argument("--ckpt-every", type=int, default=25, help="checkpoint period (steps)")
+    p.add_argument("--stop-after", type=int, default=0, metavar="STEP",
+                   help="stop cleanly (checkpoint, no export) once this step is done, as a kill would; "
+                        "0 = run to --steps")
     p.add_argument("--max-minutes", type=float, default=0,
                    help="stop cleanly (checkpoint, no export) after this many minutes; 0 = no limit")
     p.add_argument("--export-only", action="store_true",
@@ -179,10 +182,12 @@ def run(args) -> int:
                 bar.write(f"step {done}: " + ", ".join(f"{k}={v:.4f}" for k, v in held_out_eval(done).items()))
             if done % args.ckpt_every == 0 or done == args.steps:
                 manager.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
-            if args.max_minutes and time.time() - t_start > args.max_minutes * 60:
-                manager.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
+            out_of_time = args.max_minutes and time.time() - t_start > args.max_minutes * 60
+            if (out_of_time or done == args.stop_after) and done < args.steps:
+                if done % args.ckpt_every:
+                    manager.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
                 manager.wait_until_finished()
-                print(f"stopped after {args.max_minutes} minutes at step {done}; rerun to resume", file=sys.stderr)
+                print(f"stopped at step {done}; rerun to resume", file=sys.stderr)
                 return 0
         manager.wait_until_finished()
         step = args.steps

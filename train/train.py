@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", type=int, default=2, help="latest checkpoints kept (the best one is kept too)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --work-dir")
     p.add_argument("--seed", type=int, default=0, help="head initialisation and batch-order seed")
+    p.add_argument("--stop-after", type=int, default=0, metavar="STEP",
+                   help="stop cleanly (checkpoint, no export) once this step is done, as a kill would; "
+                        "0 = run to --steps")
     p.add_argument("--max-minutes", type=float, default=0,
                    help="stop cleanly (checkpoint, no export) after this many minutes; 0 = no limit")
     return p
@@ -207,10 +210,12 @@ def run(args) -> int:
                           f"top5={[round(a, 3) for a in ev['val_top5']]}")
         if done % args.ckpt_every == 0 or done == args.steps:
             save(done, ev if done % args.eval_every == 0 or done == args.steps else {})
-        if args.max_minutes and time.time() - t0 > args.max_minutes * 60 and done < args.steps:
-            save(done, {})
+        out_of_time = args.max_minutes and time.time() - t0 > args.max_minutes * 60
+        if (out_of_time or done == args.stop_after) and done < args.steps:
+            if done % args.ckpt_every:
+                save(done, {})
             last.wait_until_finished()
-            print(f"stopped after {args.max_minutes} minutes at step {done}; rerun with --resume", file=sys.stderr)
+            print(f"stopped at step {done}; rerun with --resume", file=sys.stderr)
             return 0
     last.wait_until_finished()
     best.wait_until_finished()
