@@ -1,0 +1,409 @@
+"""`train.losses` and `python -m train.train` on tiny models.
+
+The losses are checked against explicit loops over tiny NumPy arrays; `Heads.unroll` (what training
+sees) against the decoding path's context / node_state / node_hidden calls position by position; and
+the CLI end to end on a tiny random Llama with a real tokenizer: a few steps lower the loss, the base
+model is never touched, a killed run resumes to identical heads, bad input is one line and exit 2, and
+the exported heads drive `infer.generate`.
+"""
+
+import contextlib
+import hashlib
+import io
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+import torch
+from flax import nnx
+
+from clover_jax.checkpoint import load_heads
+from clover_jax.convert import load_pretrained
+from clover_jax.heads import METHODS, HeadsConfig, make_heads
+from clover_jax.model import causal_self_mask
+from infer import generate
+from train import losses
+from train import make_data
+from train import tokenizer as tokenizer_lib
+from train import train
+from train.data import HeadDataset
+
+TEXTS = ["def add(a, b):\n    return a + b\n", "class Point:\n    def __init__(self, x):\n        self.x = x\n",
+         "import os\nprint(os.getcwd())\n", "for i in range(10):\n    print(i)\n"] * 4
+RECORDS = [{"prompt": p, "response": r * n} for n in (1, 2, 3)
+           for p, r in [("def add(a, b):", "\n    return a + b\n"), ("class Point:", "\n    def __init__(self, x):\n"),
+                        ("import os", "\nprint(os.getcwd())\n"), ("for i in", " range(10):\n    print(i)\n")]]
+STEPS, SEED, NUM_HEADS = 6, 3, 2
+
+
+# ---------------------------------------------------------------------------------------------------
+# Losses against hand computation.
+
+def _log_softmax(x):
+    x = np.asarray(x, np.float64)
+    m = max(x)
+    return x - (m + np.log(sum(np.exp(v - m) for v in x)))
+
+
+def _smooth_l1(a, b):
+    total = 0.0
+    for x, y in zip(a, b):
+        d = abs(float(x) - float(y))
+        total += 0.5 * d * d if d < 1 else d - 0.5
+    return total / len(a)
+
+
+def _counted(loss_mask, k, b, t):
+    """Head k at position t has a target: token t+2+k exists and is a response token."""
+    return t + 2 + k < loss_mask.shape[1] and loss_mask[b, t + 2 + k] == 1
+
+
+def _case(seed=0, k_heads=3, b_size=2, t_len=6, vocab=5, dim=3):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, vocab, (b_size, t_len)).astype(np.int32)
+    loss_mask = np.array([[0, 0, 1, 1, 1, 1], [0, 1, 1, 0, 1, 0]], np.float32)[:b_size, :t_len]
+    return dict(tokens=tokens, loss_mask=loss_mask,
+                head_logits=rng.normal(size=(k_heads, b_size, t_len, vocab)).astype(np.float32) * 2,
+                head_hidden=rng.normal(size=(k_heads, b_size, t_len, dim)).astype(np.float32) * 1.5,
+                base_normed=rng.normal(size=(b_size, t_len, dim)).astype(np.float32) * 1.5,
+                base_logits=rng.normal(size=(b_size, t_len, vocab)).astype(np.float32) * 2)
+
+
+def test_elementwise_losses_and_weights():
+    rng = np.random.default_rng(1)
+    a, b = rng.normal(size=(2, 4, 3)).astype(np.float32) * 1.5, rng.normal(size=(2, 4, 3)).astype(np.float32)
+    got = np.asarray(losses.smooth_l1(a, b))
+    want = np.array([[_smooth_l1(a[i, j], b[i, j]) for j in range(4)] for i in range(2)])
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert (np.abs(a - b) > 1).any() and (np.abs(a - b) < 1).any()  # both branches are exercised
+    torch_ref = torch.nn.functional.smooth_l1_loss(torch.tensor(a), torch.tensor(b), reduction="none", beta=1.0)
+    np.testing.assert_allclose(got, torch_ref.mean(-1).numpy(), rtol=1e-6, atol=1e-6)
+
+    logits, p = rng.normal(size=(3, 5)), rng.dirichlet(np.ones(5), size=3)
+    want = [-sum(p[i, v] * _log_softmax(logits[i])[v] for v in range(5)) for i in range(3)]
+    np.testing.assert_allclose(losses.soft_cross_entropy(jnp.asarray(logits, jnp.float32),
+                                                         jnp.asarray(p, jnp.float32)), want, rtol=1e-5)
+    np.testing.assert_allclose(losses.head_weights(3), [1.0, 0.7, 0.49], rtol=1e-6)
+    np.testing.assert_allclose(losses.masked_mean(jnp.ones(3), jnp.zeros(3)), 0.0)  # nothing counted: 0
+    x = np.arange(12, dtype=np.int32).reshape(2, 6)
+    np.testing.assert_array_equal(losses.shift_left(x, 2), [[2, 3, 4, 5, 0, 0], [8, 9, 10, 11, 0, 0]])
+    mask = np.array([[0, 1, 1, 0, 1, 1]], np.float32)
+    for k in range(4):
+        want = [float(_counted(mask, k, 0, t)) for t in range(6)]
+        np.testing.assert_array_equal(losses.target_mask(mask, k)[0], want)
+
+
+def test_cross_entropy_loss_by_hand():
+    c = _case()
+    k_heads, b_size, t_len, _ = c["head_logits"].shape
+    loss, per_head, masks, targets = losses.cross_entropy_loss(c["head_logits"], c["tokens"], c["loss_mask"])
+    want_per_head = []
+    for k in range(k_heads):
+        terms = [-_log_softmax(c["head_logits"][k, b, t])[c["tokens"][b, t + 2 + k]]
+                 for b in range(b_size) for t in range(t_len) if _counted(c["loss_mask"], k, b, t)]
+        want_per_head.append(sum(terms) / max(len(terms), 1))
+        for b in range(b_size):
+            for t in range(t_len):
+                assert masks[k, b, t] == float(_counted(c["loss_mask"], k, b, t))
+                if t + 2 + k < t_len:
+                    assert targets[k, b, t] == c["tokens"][b, t + 2 + k]
+    np.testing.assert_allclose(per_head, want_per_head, rtol=1e-5)
+    np.testing.assert_allclose(loss, sum(0.7 ** k * v for k, v in enumerate(want_per_head)), rtol=1e-5)
+
+
+def test_cross_entropy_loss_head_without_targets_counts_zero():
+    """T=5 and three heads: head 2 may only train at t=0 (token 4), which is a prompt token here."""
+    c = _case(seed=2, t_len=5)
+    c["loss_mask"] = np.array([[0, 0, 1, 1, 0], [0, 1, 1, 1, 0]], np.float32)
+    _, per_head, masks, _ = losses.cross_entropy_loss(c["head_logits"], c["tokens"], c["loss_mask"])
+    assert float(jnp.sum(masks[2])) == 0 and float(per_head[2]) == 0
+    assert np.isfinite(np.asarray(per_head)).all()
+
+
+def test_distill_loss_by_hand():
+    c = _case(seed=3)
+    k_heads, b_size, t_len, _ = c["head_logits"].shape
+    loss, per_head, masks, targets = losses.distill_loss(c["head_hidden"], c["head_logits"], c["base_normed"],
+                                                         c["base_logits"], c["tokens"], c["loss_mask"])
+    want_per_head = []
+    for k in range(k_heads):
+        terms = []
+        for b in range(b_size):
+            for t in range(t_len):
+                if not _counted(c["loss_mask"], k, b, t):
+                    continue
+                src = t + 1 + k  # the base model's output at t+1+k is the distribution of token t+2+k
+                p = np.exp(_log_softmax(c["base_logits"][b, src]))
+                q = _log_softmax(c["head_logits"][k, b, t])
+                terms.append(10 * _smooth_l1(c["head_hidden"][k, b, t], c["base_normed"][b, src])
+                             - sum(p[v] * q[v] for v in range(len(p))))
+        want_per_head.append(sum(terms) / max(len(terms), 1))
+    np.testing.assert_allclose(per_head, want_per_head, rtol=1e-5)
+    np.testing.assert_allclose(loss, sum(0.7 ** k * v for k, v in enumerate(want_per_head)), rtol=1e-5)
+    _, _, ce_masks, ce_targets = losses.cross_entropy_loss(c["head_logits"], c["tokens"], c["loss_mask"])
+    np.testing.assert_array_equal(masks, ce_masks)
+    np.testing.assert_array_equal(targets, ce_targets)
+
+
+@pytest.mark.parametrize("top", [1, 2])
+def test_topk_accuracy_by_hand(top):
+    c = _case(seed=4)
+    k_heads, b_size, t_len, _ = c["head_logits"].shape
+    _, _, masks, targets = losses.cross_entropy_loss(c["head_logits"], c["tokens"], c["loss_mask"])
+    got = losses.topk_accuracy(c["head_logits"], targets, masks, top)
+    want = []
+    for k in range(k_heads):
+        hits = [int(c["tokens"][b, t + 2 + k] in np.argsort(-c["head_logits"][k, b, t])[:top])
+                for b in range(b_size) for t in range(t_len) if _counted(c["loss_mask"], k, b, t)]
+        want.append(sum(hits) / max(len(hits), 1))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Teacher forcing sees what drafting sees.
+
+@pytest.mark.parametrize("method", METHODS)
+def test_unroll_equals_the_decoding_path(method, loaded):
+    """Entry [k, :, t] of `unroll` equals the decoding path's calls at position t: the heads' context
+    (cache-free, causal) at t, computed with every token after x_{t+1} replaced so nothing later can
+    leak in, then node_state / node_hidden fed x_{t+1}, x_{t+2}, ... as drafting feeds a tree path."""
+    base = loaded("llama2")[3]
+    heads = make_heads(HeadsConfig(method, 3), base, seed=1)
+    # Zero-initialised parts (Medusa's W, Clover's W_V) would hide mistakes: perturb every parameter.
+    leaves, treedef = jax.tree.flatten(nnx.state(heads, nnx.Param))
+    keys = jax.random.split(jax.random.key(7), len(leaves))
+    nnx.update(heads, jax.tree.unflatten(treedef, [x + 0.1 * jax.random.normal(k, x.shape, x.dtype)
+                                                   for x, k in zip(leaves, keys)]))
+    b, t_len = 2, 7
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(3, base.cfg.vocab_size, (b, t_len)).astype(np.int32)
+    positions = jnp.broadcast_to(jnp.arange(t_len), (b, t_len))
+    mask = causal_self_mask(b, t_len)
+
+    def forward(x):
+        out = base(jnp.asarray(x), positions, mask)
+        return out.hidden, out.hidden_normed
+
+    unrolled = np.asarray(heads.unroll(base, *forward(tokens), jnp.asarray(tokens)))
+    assert unrolled.shape == (3, b, t_len, base.cfg.hidden_size)
+    checked = 0
+    for t in range(t_len - 1):
+        seen = tokens.copy()
+        seen[:, t + 2:] = rng.integers(3, base.cfg.vocab_size, (b, t_len - t - 2))
+        next_tokens = np.concatenate([seen[:, 1:], np.zeros((b, 1), np.int32)], axis=1)
+        ctx, _ = heads.context(base, *forward(seen), jnp.asarray(next_tokens), positions, mask, None)
+        token = jnp.asarray(tokens[:, t + 1])
+        s = heads.node_state(base, 0, ctx[:, t], token)
+        for k in range(3):
+            if t + 1 + k >= t_len:
+                break
+            np.testing.assert_allclose(unrolled[k, :, t], heads.node_hidden(base, k, s, token), atol=1e-4, rtol=1e-4)
+            checked += 1
+            if t + 2 + k < t_len:
+                token = jnp.asarray(tokens[:, t + 2 + k])
+                s = heads.node_state(base, k + 1, s, token)
+    assert checked == 6 + 5 + 4
+
+
+# ---------------------------------------------------------------------------------------------------
+# The CLI end to end.
+
+def _sha256(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _tiny_llama(out, vocab_size, seed):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         bos_token_id=1, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tokenizer_lib.train_tokenizer(TEXTS, vocab_size=300)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tok):
+    out = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer_lib.save_tokenizer(tok, out)
+    return _tiny_llama(out, tok.get_vocab_size(), seed=0)
+
+
+@pytest.fixture(scope="module")
+def datasets(model_dir, tmp_path_factory):
+    """{"plain": dataset without hidden states, "hidden": the same with float16 hidden states}."""
+    prompts = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    out = {}
+    for name, extra in (("plain", []), ("hidden", ["--store-hidden=float16"])):
+        out[name] = tmp_path_factory.mktemp(f"data-{name}")
+        assert make_data.main([f"--base={model_dir}", f"--prompts={prompts}", f"--out={out[name]}", "--mode=fixed",
+                               "--batch-size=4", *extra]) == 0
+    plain, hidden = HeadDataset(out["plain"]), HeadDataset(out["hidden"])
+    assert plain.hidden is None and hidden.hidden.dtype == np.float16
+    assert max(plain.lengths) > 32  # some examples are longer than the training window
+    return out
+
+
+def _argv(model_dir, data, out, work, method, *extra):
+    argv = ["--method", method, "--base", model_dir, "--data", data, "--out", out, "--work-dir", work,
+            "--steps", STEPS, "--batch-size", 2, "--seq-len", 32, "--dtype", "float32", "--warmup", 1,
+            "--lr", 1e-2, "--num-heads", NUM_HEADS, "--seed", SEED, "--val-fraction", 0, *extra]
+    return [str(a) for a in argv]
+
+
+def _train(capsys, *args):
+    """(exit code, stdout, stderr) of `train.main` on `_argv(*args)`."""
+    capsys.readouterr()
+    code = train.main(_argv(*args))
+    return (code, *capsys.readouterr())
+
+
+DATA_OF = {"medusa": "plain", "clover": "plain", "clover2": "hidden"}
+
+
+@pytest.fixture(scope="module")
+def trained(model_dir, datasets, tmp_path_factory):
+    """method -> (out dir, work dir, sha256 of model.safetensors before and after): one run per method,
+    6 steps; Medusa's also evaluates a held-out split."""
+    runs = {}
+    for method in METHODS:
+        root = tmp_path_factory.mktemp(f"train-{method}")
+        before = _sha256(model_dir / "model.safetensors")
+        extra = ["--val-fraction", 0.2, "--eval-batches", 1] if method == "medusa" else []
+        err = io.StringIO()  # module fixtures cannot use capsys
+        with contextlib.redirect_stderr(err):
+            code = train.main(_argv(model_dir, datasets[DATA_OF[method]], root / "out", root / "work", method, *extra))
+        assert code == 0, err.getvalue()
+        runs[method] = (root / "out", root / "work", before, _sha256(model_dir / "model.safetensors"))
+    return runs
+
+
+def _base(model_dir):
+    return load_pretrained(model_dir)[1]
+
+
+def _batches(data_dir, seed=SEED):
+    """The six training batches of a run (no validation split), stacked into one batch of 12 rows."""
+    data = HeadDataset(data_dir)
+    rows = [data.batch_at(s, 2, 32, seed) for s in range(STEPS)]
+    return {k: jnp.asarray(np.concatenate([r[k] for r in rows])) for k in rows[0] if rows[0][k] is not None}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_training_lowers_the_loss_and_leaves_the_base_alone(method, trained, model_dir, datasets):
+    out, work, sha_before, sha_after = trained[method]
+    assert sha_before == sha_after
+    base = _base(model_dir)
+    batch = _batches(datasets[DATA_OF[method]])
+    start = make_heads(HeadsConfig(method, NUM_HEADS), base, seed=SEED)
+    end = load_heads(out, base, method)
+    loss_start = float(train.head_loss(start, base, batch)[0])
+    loss_end = float(train.head_loss(end, base, batch)[0])
+    assert loss_end < loss_start, (loss_start, loss_end)
+    records = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [STEPS]
+    meta = json.loads((out / "heads.json").read_text())
+    assert meta["final_step"] == STEPS and meta["heads"]["method"] == method
+    if method == "medusa":
+        assert len(meta["held_out"]["val_top1"]) == NUM_HEADS and (work / "best").is_dir()
+
+    # The checkpoint holds the heads' parameters and an optimizer state over them alone.
+    mgr = ocp.CheckpointManager(work / "checkpoints")
+    assert mgr.latest_step() == STEPS
+    restored = mgr.restore(STEPS)
+    head_shapes = sorted(np.shape(x) for x in jax.tree.leaves(nnx.state(end, nnx.Param)))
+    assert sorted(np.shape(x) for x in jax.tree.leaves(restored["params"])) == head_shapes
+    opt_sizes = sum(np.size(x) for x in jax.tree.leaves(restored["opt_state"]))
+    head_size = sum(np.size(x) for x in jax.tree.leaves(restored["params"]))
+    base_size = sum(np.size(x) for x in jax.tree.leaves(nnx.state(base, nnx.Param)))
+    assert 2 * head_size <= opt_sizes <= 2 * head_size + 8  # Adam's mu and nu plus step counts
+    assert base_size not in (opt_sizes, head_size)
+    paths = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(restored)[0]}
+    assert not any(name in p for p in paths for name in ("embed_tokens", "'layers'", "lm_head"))
+
+
+def test_kill_and_resume_gives_identical_heads(trained, model_dir, datasets, tmp_path, capsys):
+    from safetensors.numpy import load_file
+
+    straight, _, _, _ = trained["clover2"]
+    out, work = tmp_path / "out", tmp_path / "work"
+    code, _, err = _train(capsys, model_dir, datasets["hidden"], out, work, "clover2", "--stop-after", 3)
+    assert code == 0 and "stopped at step 3; rerun with --resume" in err, err
+    assert not (out / "heads.safetensors").exists()
+    code, _, err = _train(capsys, model_dir, datasets["hidden"], out, work, "clover2", "--resume")
+    assert code == 0 and "resumed from step 3" in err, err
+    a, b = load_file(str(straight / "heads.safetensors")), load_file(str(out / "heads.safetensors"))
+    assert sorted(a) == sorted(b)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+    # A finished work dir without --resume is refused before anything is overwritten.
+    code, stdout, err = _train(capsys, model_dir, datasets["hidden"], out, work, "clover2")
+    assert (code, stdout) == (2, "") and err.startswith("error: ") and err.count("\n") == 1, err
+    assert "already holds checkpoints; pass --resume" in err
+
+
+@pytest.fixture(scope="module")
+def other_base(tok, tmp_path_factory):
+    """A second tiny model with the same tokenizer and shapes but other weights."""
+    out = tmp_path_factory.mktemp("other-llama")
+    tokenizer_lib.save_tokenizer(tok, out)
+    return _tiny_llama(out, tok.get_vocab_size(), seed=1)
+
+
+@pytest.mark.parametrize("case", ["missing dir", "empty dir", "foreign meta", "other base", "seq-len too long",
+                                  "zero steps"])
+def test_bad_input_is_one_error_line_and_exit_2(case, model_dir, other_base, datasets, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "meta.json").write_text('{"created_by": "someone else"}')
+    base, data, extra = model_dir, datasets["plain"], []
+    needle = {"missing dir": "no such dataset directory", "empty dir": "no meta.json",
+              "foreign meta": "not a meta.json written by train.make_data",
+              "other base": "made with another base model", "seq-len too long": "exceeds the base model's context",
+              "zero steps": "--steps must be >= 1"}[case]
+    if case == "missing dir":
+        data = tmp_path / "nope"
+    elif case == "empty dir":
+        data = tmp_path / "empty"
+    elif case == "foreign meta":
+        data = tmp_path / "foreign"
+    elif case == "other base":
+        base = other_base
+    elif case == "seq-len too long":
+        extra = ["--seq-len", 65]
+    else:
+        extra = ["--steps", 0]
+    code, stdout, err = _train(capsys, base, data, tmp_path / "out", tmp_path / "work", "clover", *extra)
+    assert (code, stdout) == (2, ""), err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert needle in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_exported_heads_drive_generation(trained, model_dir, capsys):
+    """Greedy speculative decoding with each method's trained heads prints the plain text."""
+    base = _base(model_dir)
+    argv = ["--model", model_dir, "--prompt", "def add(a, b):", "--max-new-tokens", 8]
+    capsys.readouterr()
+    assert generate.main([str(a) for a in argv]) == 0
+    plain = capsys.readouterr().out
+    assert plain.strip()
+    for method in METHODS:
+        out = trained[method][0]
+        heads = load_heads(out, base, method)
+        assert heads.num_heads == NUM_HEADS and heads.hcfg.method == method
+        code = generate.main([str(a) for a in argv + ["--method", method, "--heads", out]])
+        stdout, err = capsys.readouterr()
+        assert (code, stdout) == (0, plain), err
+        assert err.startswith(f"[{method}]"), err
