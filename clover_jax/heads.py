@@ -23,7 +23,7 @@ from flax import nnx
 from clover_jax.cache import KVCache
 from clover_jax.config import ModelConfig
 from clover_jax.errors import CloverError
-from clover_jax.layers import DecoderLayer, Linear, RMSNorm, param
+from clover_jax.layers import DecoderLayer, Linear, RMSNorm
 from clover_jax.model import Llama
 
 METHODS = ("medusa", "clover", "clover2")

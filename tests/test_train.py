@@ -352,6 +352,11 @@ def test_kill_and_resume_gives_identical_heads(trained, model_dir, datasets, tmp
     assert (code, stdout) == (2, "") and err.startswith("error: ") and err.count("\n") == 1, err
     assert "already holds checkpoints; pass --resume" in err
 
+    # Resuming with settings that change what the checkpoints hold is refused in one line.
+    code, stdout, err = _train(capsys, model_dir, datasets["hidden"], out, work, "medusa", "--resume")
+    assert (code, stdout) == (2, "") and err.count("\n") == 1, err
+    assert "was started with method='clover2', not 'medusa'" in err
+
 
 @pytest.fixture(scope="module")
 def other_base(tok, tmp_path_factory):

@@ -31,6 +31,7 @@ from clover_jax.convert import save_pretrained
 from clover_jax.errors import CloverError
 from clover_jax.model import Llama, causal_self_mask
 from train import corpus
+from train.runs import MetricsLog, pin_run, restore_latest
 from train.tokenizer import EOS_TOKEN, save_tokenizer, train_tokenizer
 
 
@@ -135,11 +136,11 @@ def run(args) -> int:
     graphdef, params = nnx.split(model)
     opt_state = optimizer.init(params)
     manager = ocp.CheckpointManager(work / "checkpoints", options=ocp.CheckpointManagerOptions(max_to_keep=2))
-    start = 0
-    if manager.latest_step() is not None:
-        start = manager.latest_step()
-        restored = manager.restore(start, args=ocp.args.StandardRestore({"params": params, "opt_state": opt_state}))
-        params, opt_state = restored["params"], restored["opt_state"]
+    pin_run(work, {"vocab_size": cfg.vocab_size, "hidden": args.hidden, "layers": args.layers, "heads": args.heads,
+                   "kv_heads": args.kv_heads, "intermediate": args.intermediate, "seq_len": args.seq_len})
+    start, restored = restore_latest(manager, {"params": params, "opt_state": opt_state})
+    params, opt_state = restored["params"], restored["opt_state"]
+    if start:
         print(f"resumed from step {start} in {work}", file=sys.stderr)
 
     @jax.jit
@@ -153,11 +154,7 @@ def run(args) -> int:
         return optax.apply_updates(params, updates), opt_state, loss
 
     held_out = jnp.asarray(eval_windows(val_tokens, args.seq_len, args.eval_windows))
-    metrics = (work / "metrics.jsonl").open("a")
-
-    def record(step, **values):
-        metrics.write(json.dumps({"step": step, "time": time.time(), **values}) + "\n")
-        metrics.flush()
+    record = MetricsLog(work / "metrics.jsonl").record
 
     def held_out_eval(step):
         loss = float(evaluate(params, held_out))

@@ -12,7 +12,6 @@ loads.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from clover_jax.heads import DEFAULT_NUM_HEADS, METHODS, Heads, HeadsConfig, mak
 from clover_jax.model import Llama, causal_self_mask
 from train import losses
 from train.data import HeadDataset
+from train.runs import MetricsLog, pin_run, restore_latest
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -141,13 +141,13 @@ def run(args) -> int:
     last = ocp.CheckpointManager(work / "checkpoints", options=ocp.CheckpointManagerOptions(max_to_keep=args.keep))
     best = ocp.CheckpointManager(work / "best", options=ocp.CheckpointManagerOptions(
         max_to_keep=1, best_fn=lambda m: m["val_loss"], best_mode="min"))
-    start = 0
-    if last.latest_step() is not None:
-        if not args.resume:
-            raise CloverError(f"{work} already holds checkpoints; pass --resume to continue, or another --work-dir")
-        start = last.latest_step()
-        restored = last.restore(start, args=ocp.args.StandardRestore({"params": params, "opt_state": opt_state}))
-        params, opt_state = restored["params"], restored["opt_state"]
+    pin_run(work, {"method": hcfg.method, "num_heads": hcfg.num_heads, "embed_source": hcfg.embed_source,
+                   "base": str(Path(args.base).resolve()), "data": str(Path(args.data).resolve())})
+    if last.latest_step() is not None and not args.resume:
+        raise CloverError(f"{work} already holds checkpoints; pass --resume to continue, or another --work-dir")
+    start, restored = restore_latest(last, {"params": params, "opt_state": opt_state})
+    params, opt_state = restored["params"], restored["opt_state"]
+    if start:
         print(f"resumed from step {start} in {work}", file=sys.stderr)
 
     def loss_on(p, bp, batch):
@@ -177,11 +177,7 @@ def run(args) -> int:
         m = jax.tree.map(lambda x: np.asarray(x) / n, sums)
         return {"val_loss": float(m["loss"]), "val_top1": m["top1"].tolist(), "val_top5": m["top5"].tolist()}
 
-    metrics_file = (work / "metrics.jsonl").open("a")
-
-    def record(step, **values):
-        metrics_file.write(json.dumps({"step": step, "time": time.time(), **values}) + "\n")
-        metrics_file.flush()
+    record = MetricsLog(work / "metrics.jsonl").record
 
     def save(step, ev):
         state = {"params": params, "opt_state": opt_state}

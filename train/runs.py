@@ -1,0 +1,51 @@
+"""What the training commands share about a run directory: its pinned shape, resume, and metrics.
+
+A run directory remembers the settings that fix the shapes of what it checkpoints (model or head
+dimensions, method); resuming with different ones is refused with one line, rather than failing deep
+inside orbax or, worse, silently training something else.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import orbax.checkpoint as ocp
+
+from clover_jax.errors import CloverError
+
+RUN_FILE = "run.json"
+
+
+def pin_run(work: Path, fields: dict) -> None:
+    """Record `fields` in work/run.json on the first start; on a later start, refuse any difference."""
+    path = work / RUN_FILE
+    if path.is_file():
+        pinned = json.loads(path.read_text())
+        for key, value in fields.items():
+            if key in pinned and pinned[key] != value:
+                raise CloverError(f"{work} was started with {key}={pinned[key]!r}, not {value!r}; "
+                                  "resume with the same settings or use another work directory")
+        return
+    work.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(fields, indent=2) + "\n")
+
+
+def restore_latest(manager: ocp.CheckpointManager, state: dict) -> tuple[int, dict]:
+    """(step, state) of the newest checkpoint, or (0, state) unchanged when there is none."""
+    step = manager.latest_step()
+    if step is None:
+        return 0, state
+    return step, manager.restore(step, args=ocp.args.StandardRestore(state))
+
+
+class MetricsLog:
+    """Append-only metrics.jsonl: one JSON object per record, flushed at once so a kill loses nothing."""
+
+    def __init__(self, path: Path):
+        self.file = path.open("a")
+
+    def record(self, step: int, **values) -> None:
+        self.file.write(json.dumps({"step": step, "time": time.time(), **values}) + "\n")
+        self.file.flush()
