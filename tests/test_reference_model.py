@@ -1,0 +1,76 @@
+"""The shipped reference model: it loads through the real import path, is the model its card describes,
+agrees with transformers, and is what `infer.generate` runs with no flags."""
+
+import json
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from clover_jax.convert import load_pretrained
+from clover_jax.model import causal_self_mask
+from infer import generate
+from train import corpus
+
+REF = Path(__file__).resolve().parents[1] / "models" / "reference"
+CARD_LOSS = re.compile(r"prompt-set loss \(first (\d+) prompts, float32\): ([\d.]+) nats/token")
+LOSS_BOUND = 0.02  # nats/token; a broken export (wrong transpose, dtype, tokenizer) is off by far more
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return load_pretrained(REF, dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return corpus.load_tokenizer(REF)
+
+
+def prompt_set_loss(model, tokenizer, count: int) -> float:
+    """Mean next-token cross-entropy (nats/token) over the first `count` prompts of prompts.jsonl,
+    each prompt scored on its own tokens. The MODEL_CARD figure is computed by this function."""
+    lines = (REF / "prompts.jsonl").read_text(encoding="utf-8").splitlines()[:count]
+    total, n = 0.0, 0
+    for line in lines:
+        ids = tokenizer.encode(json.loads(line)["prompt"]).ids
+        tokens = jnp.asarray([ids])
+        out = model(tokens, jnp.arange(len(ids))[None], causal_self_mask(1, len(ids)))
+        logp = np.asarray(jax.nn.log_softmax(out.logits[0, :-1]), np.float64)
+        total -= logp[np.arange(len(ids) - 1), ids[1:]].sum()
+        n += len(ids) - 1
+    return total / n
+
+
+def test_loss_matches_the_model_card(reference, tokenizer):
+    count, stated = CARD_LOSS.search((REF / "MODEL_CARD.md").read_text()).groups()
+    loss = prompt_set_loss(reference[1], tokenizer, int(count))
+    assert abs(loss - float(stated)) <= LOSS_BOUND, (loss, stated)
+
+
+def test_transformers_agrees_with_our_logits(reference, tokenizer):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(REF, dtype=torch.float32).eval()
+    ids = tokenizer.encode("import os\n\n\ndef main(argv):\n    for name in argv:\n").ids
+    with torch.no_grad():
+        theirs = hf(torch.tensor([ids])).logits[0].numpy()
+    ours = np.asarray(reference[1](jnp.asarray([ids]), jnp.arange(len(ids))[None], causal_self_mask(1, len(ids))).logits[0])
+    assert np.abs(ours - theirs).max() <= 1e-4
+
+
+def test_tokenizer_round_trips_held_out_sources_byte_for_byte(tokenizer):
+    split = json.loads((REF / "split.json").read_text())
+    for rel in split["test"][:5]:
+        text = corpus.read_text(rel)
+        assert tokenizer.decode(tokenizer.encode(text).ids, skip_special_tokens=False) == text
+
+
+def test_generate_runs_the_shipped_model_with_no_flags(capsys):
+    assert generate.main(["--prompt", "def fibonacci(n):", "--max-new-tokens", "12"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() and err.startswith("[plain] new_tokens=")
