@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from clover_jax.config import ModelConfig
 from clover_jax.convert import save_pretrained
-from clover_jax.errors import CloverError
+from infer import cli
 from clover_jax.model import Llama, causal_self_mask
 from train import corpus
 from train.runs import MetricsLog, pin_run, restore_latest
@@ -106,11 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--export-only", action="store_true",
                    help="skip training: export the latest checkpoint in --work-dir to --out")
     args = p.parse_args(argv)
-    try:
-        return run(args)
-    except CloverError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return cli.run_main(lambda: run(args))
 
 
 def run(args) -> int:

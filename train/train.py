@@ -27,6 +27,7 @@ from tqdm import tqdm
 from clover_jax.checkpoint import save_heads
 from clover_jax.convert import load_pretrained
 from clover_jax.errors import CloverError
+from infer import cli
 from clover_jax.heads import DEFAULT_NUM_HEADS, METHODS, Heads, HeadsConfig, make_heads
 from clover_jax.model import Llama, causal_self_mask
 from train import losses
@@ -108,11 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return run(args)
-    except CloverError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return cli.run_main(lambda: run(args))
 
 
 def run(args) -> int:
