@@ -91,11 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--intermediate", type=int, default=704, help="SwiGLU hidden size")
     p.add_argument("--seq-len", type=int, default=512, help="training context; also max_position_embeddings")
     p.add_argument("--batch-size", type=int, default=16, help="windows per step")
-    p.add_argument("--steps", type=int, default=900, help="optimizer steps in all (the cosine schedule length)")
+    p.add_argument("--steps", type=int, default=350, help="optimizer steps in all (the cosine schedule length)")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=50, help="linear warmup steps")
     p.add_argument("--seed", type=int, default=0, help="initialisation and batch-order seed")
-    p.add_argument("--eval-every", type=int, default=100, help="held-out evaluation period (steps)")
+    p.add_argument("--eval-every", type=int, default=50, help="held-out evaluation period (steps)")
     p.add_argument("--eval-windows", type=int, default=32, help="held-out windows per evaluation")
     p.add_argument("--ckpt-every", type=int, default=25, help="checkpoint period (steps)")
     p.add_argument("--stop-after", type=int, default=0, metavar="STEP",
