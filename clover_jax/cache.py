@@ -13,34 +13,43 @@ import jax
 import jax.numpy as jnp
 
 # Logical axis names of the cache buffers, mapped to mesh axes by the sharding rule table.
-CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+CACHE_AXES = ("batch", "kv_heads", "length", "head_dim")
 
 
 @flax.struct.dataclass
 class KVCache:
-    k: jax.Array  # [L, B, S, K, H]
-    v: jax.Array  # [L, B, S, K, H]
+    # One [B, K, S, H] buffer per layer: each (sequence, kv head) reads S contiguous slots, the layout
+    # attention's two matmuls take as is. (A stacked [L, B, S, K, H] buffer cost a slicing and a
+    # transposing copy per layer and step on XLA:CPU, more than the layer's matmuls.)
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
     lengths: jax.Array  # [B] int32: slots [0, lengths[b]) hold sequence b's committed tokens
 
     @classmethod
     def zeros(cls, num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
               dtype=jnp.float32) -> "KVCache":
-        shape = (num_layers, batch, max_len, num_kv_heads, head_dim)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32))
+        shape = (batch, num_kv_heads, max_len, head_dim)
+        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+        return cls(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+                   lengths=jnp.zeros((batch,), jnp.int32))
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k[0].shape[2]
 
     def write(self, layer: int, k_new: jax.Array, v_new: jax.Array) -> "KVCache":
         """Write new keys/values [B, T, K, H] of one layer at slots lengths[b] .. lengths[b] + T - 1."""
 
-        def put(buf, new, start):  # buf [S, K, H], new [T, K, H]
-            return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), (start, 0, 0))
+        def put(buf, new, start):  # buf [K, S, H], new [T, K, H]
+            return jax.lax.dynamic_update_slice(buf, jnp.swapaxes(new, 0, 1).astype(buf.dtype), (0, start, 0))
 
-        k = self.k.at[layer].set(jax.vmap(put)(self.k[layer], k_new, self.lengths))
-        v = self.v.at[layer].set(jax.vmap(put)(self.v[layer], v_new, self.lengths))
-        return self.replace(k=k, v=v)
+        write = lambda bufs, new: tuple(jax.vmap(put)(buf, new, self.lengths) if i == layer else buf
+                                        for i, buf in enumerate(bufs))
+        return self.replace(k=write(self.k, k_new), v=write(self.v, v_new))
+
+    def layer(self, layer: int) -> tuple[jax.Array, jax.Array]:
+        """Keys and values [B, K, S, H] of one layer."""
+        return self.k[layer], self.v[layer]
 
     def advance(self, n: jax.Array) -> "KVCache":
         """Commit n[b] more tokens of sequence b (the ones just written at the head of its slots)."""

@@ -60,15 +60,19 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query attention. q [B, T, N, H], k/v [B, S, K, H], mask [B, T, S] -> [B, T, N, H]."""
+    """Grouped-query attention. q [B, T, N, H], k/v [B, K, S, H], mask [B, T, S] -> [B, T, N, H].
+
+    The G = N/K query heads sharing a kv head and the T tokens form one [T*G, H] block per kv head,
+    so both products are plain batched matmuls over the cache as it is laid out."""
     b, t, n, h = q.shape
-    kv = k.shape[2]
-    qg = q.reshape(b, t, kv, n // kv, h)
-    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(q.dtype)).astype(jnp.float32) / np.sqrt(h)
-    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(q.dtype))
-    return out.reshape(b, t, n, h)
+    kv, s = k.shape[1], k.shape[2]
+    g = n // kv
+    qg = jnp.swapaxes(q.reshape(b, t, kv, g, h), 1, 2).reshape(b, kv, t * g, h)
+    scores = jnp.einsum("bkqh,bksh->bkqs", qg, k.astype(q.dtype)).astype(jnp.float32) / np.sqrt(h)
+    scores = jnp.where(mask[:, None, :, None, :], scores.reshape(b, kv, t, g, s), jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(b, kv, t * g, s)
+    out = jnp.einsum("bkqs,bksh->bkqh", probs, v.astype(q.dtype))
+    return jnp.swapaxes(out.reshape(b, kv, t, g, h), 1, 2).reshape(b, t, n, h)
 
 
 class Attention(nnx.Module):
@@ -92,7 +96,9 @@ class Attention(nnx.Module):
         vv = self.v_proj(x).reshape(b, t, k, h)
         if cache is not None:
             cache = cache.write(layer, kk, vv)
-            kk, vv = cache.k[layer], cache.v[layer]
+            kk, vv = cache.layer(layer)
+        else:
+            kk, vv = jnp.swapaxes(kk, 1, 2), jnp.swapaxes(vv, 1, 2)
         out = attend(q, kk, vv, mask)
         return self.o_proj(out.reshape(b, t, n * h)), cache
 
@@ -134,4 +140,5 @@ class Embed(nnx.Module):
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Tied output projection: logits = x @ embedding^T."""
-        return x @ self.embedding[...].astype(x.dtype).T
+        # Contracting the table's own last axis: `x @ table.T` made XLA:CPU copy the transpose every step.
+        return jnp.einsum("...d,vd->...v", x, self.embedding[...].astype(x.dtype))

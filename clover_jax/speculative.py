@@ -25,7 +25,7 @@ from clover_jax.decode import Generator, prefill
 from clover_jax.errors import CloverError
 from clover_jax.heads import Heads
 from clover_jax.model import Llama
-from clover_jax.sampling import SamplingConfig, sample, step_keys
+from clover_jax.sampling import SamplingConfig, sample, step_keys, top_k
 from clover_jax.tree import Tree
 
 
@@ -74,7 +74,7 @@ def draft(base: Llama, heads: Heads, tree: Tree, context: jax.Array, root: jax.A
             logits = heads.node_logits(base, d - 1, states[-1], tokens[-1])  # [B, n_{d-1}, V]
         else:
             logits = heads.node_logits(base, d - 1, state0, root)[:, None]  # one distribution per depth
-        top = jax.lax.top_k(logits, tree.max_rank[d - 1])[1]  # [B, n_{d-1} or 1, k]
+        top = top_k(logits, tree.max_rank[d - 1])[1]  # [B, n_{d-1} or 1, k]
         parent_idx = tree.parents[level] - prev.start  # index inside the previous level
         if not heads.token_dependent:
             parent_idx = np.zeros_like(parent_idx)
@@ -109,12 +109,12 @@ def compact(cache: KVCache, path: jax.Array) -> KVCache:
     """Move the K/V of tree slots `length + path[b, d]` to slots `length + d` (the accepted path)."""
     src = cache.lengths[:, None] + path  # [B, D+1]
 
-    def move(buf):  # [L, B, S, K, H]
-        gathered = jnp.take_along_axis(buf, src[None, :, :, None, None], axis=2)
-        put = lambda b_buf, g, start: jax.lax.dynamic_update_slice(b_buf, g, (0, start, 0, 0))
-        return jax.vmap(put, in_axes=(1, 1, 0), out_axes=1)(buf, gathered, cache.lengths)
+    def move(buf):  # [B, K, S, H]
+        gathered = jnp.take_along_axis(buf, src[:, None, :, None], axis=2)
+        put = lambda b_buf, g, start: jax.lax.dynamic_update_slice(b_buf, g, (0, start, 0))
+        return jax.vmap(put)(buf, gathered, cache.lengths)
 
-    return cache.replace(k=move(cache.k), v=move(cache.v))
+    return cache.replace(k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
 
 
 def update_context(base, heads: Heads, aug_cache, hidden, hidden_normed, next_tokens, count):

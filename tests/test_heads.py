@@ -258,7 +258,7 @@ def test_clover2_matches_numpy(embed_source, cfg):
         return
     # The same prompt through the Augmenting Block's own cache, longer than the prompt.
     aug_cache = heads.init_aug_cache(B, T + 3, jnp.float32)
-    assert aug_cache.k.shape[0] == 2
+    assert len(aug_cache.k) == 2
     cached, _, _, _ = unroll(heads, base, 1, hidden, normed, path, causal_mask(aug_cache.lengths, T, T + 3), aug_cache)
     close(cached, np.asarray(ctx, np.float64))
 

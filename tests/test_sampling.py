@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from clover_jax.errors import CloverError
-from clover_jax.sampling import SamplingConfig, distribution, sample
+from clover_jax.sampling import SamplingConfig, distribution, sample, top_k
 from conftest import MAX_NEW, PROMPTS, hf_logits
 
 # Probabilities [0.15, 0.5, 0.05, 0.3] (not sorted, so the top-p bookkeeping must map back).
@@ -135,3 +135,13 @@ def test_first_token_follows_the_model_distribution(loaded, gen):
     assert counts.sum() == 512
     chi2 = float(np.sum((counts - expected) ** 2 / expected))
     assert chi2 < 21.1, (counts, expected)
+
+
+@pytest.mark.parametrize("k", [1, 3, 8, 70])
+def test_top_k_matches_lax_top_k_with_ties(k):
+    """Our top_k (argmax passes for small k) gives lax.top_k's values and indices, ties included."""
+    x = jax.random.randint(jax.random.key(0), (2, 3, 100), 0, 12).astype(jnp.float32)  # many ties
+    values, indices = top_k(x, k)
+    want_values, want_indices = jax.lax.top_k(x, k)
+    np.testing.assert_array_equal(values, want_values)
+    np.testing.assert_array_equal(indices, want_indices)

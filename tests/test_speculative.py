@@ -114,8 +114,8 @@ def fresh(ref):
         cache, aug, context = run(heads_def, (base_params, heads_params), jnp.asarray(tokens),
                                   jnp.asarray(following), jnp.asarray([len(seq)], jnp.int32))
         n = len(seq)
-        aug = None if aug is None else (np.asarray(aug.k[:, 0, :n]), np.asarray(aug.v[:, 0, :n]))
-        return np.asarray(cache.k[:, 0, :n]), np.asarray(cache.v[:, 0, :n]), aug, np.asarray(context)
+        aug = None if aug is None else (np.stack(aug.k)[:, 0, :, :n], np.stack(aug.v)[:, 0, :, :n])
+        return np.stack(cache.k)[:, 0, :, :n], np.stack(cache.v)[:, 0, :, :n], aug, np.asarray(context)
 
     return get
 
@@ -169,13 +169,13 @@ def check_run(out, want, prompts, budgets, ref, fresh, gen):
         assert lengths[b] == len(prompt) + committed[b]
         cont = ref.free[PROMPTS.index(prompt)]
         k, v, aug, context = fresh(prompt + cont[: committed[b]], cont[committed[b]], gen.heads)
-        np.testing.assert_allclose(np.asarray(state.cache.k[:, b, : lengths[b]]), k, atol=1e-5)
-        np.testing.assert_allclose(np.asarray(state.cache.v[:, b, : lengths[b]]), v, atol=1e-5)
+        np.testing.assert_allclose(np.stack(state.cache.k)[:, b, :, : lengths[b]], k, atol=1e-5)
+        np.testing.assert_allclose(np.stack(state.cache.v)[:, b, :, : lengths[b]], v, atol=1e-5)
         assert (aug is None) == (state.aug_cache is None)
         if aug is not None:
             assert int(state.aug_cache.lengths[b]) == lengths[b]
-            np.testing.assert_allclose(np.asarray(state.aug_cache.k[:, b, : lengths[b]]), aug[0], atol=1e-5)
-            np.testing.assert_allclose(np.asarray(state.aug_cache.v[:, b, : lengths[b]]), aug[1], atol=1e-5)
+            np.testing.assert_allclose(np.stack(state.aug_cache.k)[:, b, :, : lengths[b]], aug[0], atol=1e-5)
+            np.testing.assert_allclose(np.stack(state.aug_cache.v)[:, b, :, : lengths[b]], aug[1], atol=1e-5)
         np.testing.assert_allclose(np.asarray(state.context[b]), context, atol=1e-5)
 
 
@@ -322,17 +322,17 @@ def test_compact_moves_the_path_to_contiguous_slots():
     layers, b, s, kv, h = 2, 2, 12, 1, 2
     slot_ids = (1000 * np.arange(layers)[:, None, None] + 100 * np.arange(b)[None, :, None]
                 + np.arange(s)[None, None, :]).astype(np.float32)
-    k = np.broadcast_to(slot_ids[..., None, None], (layers, b, s, kv, h)).copy()
+    k = np.broadcast_to(slot_ids[:, :, None, :, None], (layers, b, kv, s, h)).copy()
     lengths = np.array([3, 6], np.int32)
     path = np.array([[0, 2, 5], [0, 1, 1]], np.int32)  # row 1: best at depth 1, padded with itself
-    cache = KVCache(k=jnp.asarray(k), v=jnp.asarray(-k), lengths=jnp.asarray(lengths))
+    cache = KVCache(k=tuple(jnp.asarray(k)), v=tuple(jnp.asarray(-k)), lengths=jnp.asarray(lengths))
     out = jax.jit(compact)(cache, jnp.asarray(path))
     want = k.copy()
     for row in range(b):
         for d, node in enumerate(path[row]):
-            want[:, row, lengths[row] + d] = k[:, row, lengths[row] + node]
-    np.testing.assert_array_equal(out.k, want)
-    np.testing.assert_array_equal(out.v, -want)
+            want[:, row, :, lengths[row] + d] = k[:, row, :, lengths[row] + node]
+    np.testing.assert_array_equal(np.stack(out.k), want)
+    np.testing.assert_array_equal(np.stack(out.v), -want)
     np.testing.assert_array_equal(out.lengths, lengths)
 
 
