@@ -97,23 +97,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def make_generator(args: argparse.Namespace, model: Llama) -> Generator:
-    """The generator for `args.method` (speculative methods will load their heads and tree here)."""
-    if args.max_len is not None and args.max_len < 2:
-        raise CloverError(f"--max-len {args.max_len} must be >= 2 (a prompt token plus a new one)")
-    if args.method == "plain":
-        return Generator(model, max_len=args.max_len)
-    if args.heads == "random":
-        heads = make_heads(HeadsConfig(args.method, args.num_heads or DEFAULT_NUM_HEADS[args.method]), model,
-                           seed=args.seed)
+def make_generator(model: Llama, method: str, *, model_path, heads: str | None = None, tree: str | None = None,
+                   num_heads: int | None = None, max_len: int | None = None, seed: int = 0) -> Generator:
+    """The generator for `method`: plain, or a speculative one with its heads (a directory, "random",
+    or None for the ones shipped beside the model) and its tree (a spec; None for the method's default)."""
+    if max_len is not None and max_len < 2:
+        raise CloverError(f"--max-len {max_len} must be >= 2 (a prompt token plus a new one)")
+    if method == "plain":
+        return Generator(model, max_len=max_len)
+    if heads == "random":
+        draft = make_heads(HeadsConfig(method, num_heads or DEFAULT_NUM_HEADS[method]), model, seed=seed)
     else:
-        heads_dir = args.heads or str(cli.model_dir(args.model) / "heads" / args.method)
-        if args.heads is None and not (cli.model_dir(args.model) / "heads" / args.method).is_dir():
-            raise CloverError(f"no {args.method} heads at {heads_dir}; pass --heads DIR, or --heads random "
+        shipped = cli.model_dir(model_path) / "heads" / method
+        if heads is None and not shipped.is_dir():
+            raise CloverError(f"no {method} heads at {shipped}; pass --heads DIR, or --heads random "
                               "for untrained heads")
-        heads = load_heads(heads_dir, model, args.method)
-    tree = resolve_tree(args.tree, args.method, heads.num_heads)
-    return SpeculativeGenerator(model, heads, tree, max_len=args.max_len)
+        draft = load_heads(heads or shipped, model, method)
+    return SpeculativeGenerator(model, draft, resolve_tree(tree, method, draft.num_heads), max_len=max_len)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -127,7 +127,8 @@ def _generate(args: argparse.Namespace) -> int:
     groups = cli.batches(list(range(len(prompts))), args.batch_size)
 
     _, model = load_pretrained(path, dtype=DTYPES[args.dtype])
-    generator = make_generator(args, model)
+    generator = make_generator(model, args.method, model_path=args.model, heads=args.heads, tree=args.tree,
+                               num_heads=args.num_heads, max_len=args.max_len, seed=args.seed)
     new_tokens = steps = 0
     seq_steps = 0
     compile_s = run_s = 0.0

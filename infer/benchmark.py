@@ -1,0 +1,462 @@
+"""Measure every method side by side, in one run: tau, acceptance per depth, tokens/s, speedup over
+plain decoding of the same engine, compile counts, plain decoding against the memory-bandwidth limit,
+and optionally the Hugging Face `transformers` peer and a 7B/8B-shaped model's step latency.
+
+    python -m infer.benchmark                       # reference model, every method, batch 1 and 8
+    python -m infer.benchmark --hf --json bench.json --plot bench.png
+    python -m infer.benchmark --shape llama3-8b --batch-sizes 1   # on an accelerator
+
+Every prompt generates exactly --max-new-tokens tokens (EOS is not a stop), so every method does the
+same work; greedy outputs are checked against plain decoding's on the way. Times are medians over
+--repeats passes over the prompt set, after a warm-up pass that also compiles every bucket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from clover_jax.config import ModelConfig
+from clover_jax.convert import load_pretrained
+from clover_jax.decode import Generator, bucket_for
+from clover_jax.errors import CloverError
+from clover_jax.model import Llama
+from infer import cli
+from infer.generate import DTYPES, METHODS, make_generator
+
+# Real architectures with random weights: step latency does not depend on the weights' values.
+SHAPES = {
+    "llama-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096, rope_theta=10000.0),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
+    # The same code path at a size a CPU smoke test can afford.
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, rope_theta=10000.0),
+}
+
+EPILOG = """\
+Rows: one per method and batch size. tau = tokens per forward pass of the base model (bonus token
+included; plain = 1.00); accept@d = share of steps that accepted at least d drafted tokens; speedup =
+tokens/s over plain decoding's at the same batch size in this run; compiles = programs compiled over
+the prompt set (the bucket count is the most it should be). With --hf, rows `hf-generate` (transformers
+greedy `generate`) and `hf-prompt-lookup` (its assisted generation without a draft model, batch 1) run
+the same model and prompts in PyTorch on the CPU.
+"""
+
+
+@dataclasses.dataclass
+class Row:
+    method: str
+    batch_size: int
+    tree: str = ""
+    tree_nodes: int = 1
+    tau: float | None = 1.0  # None for the transformers rows (their steps are not ours to count)
+    accept_per_depth: list[float] = dataclasses.field(default_factory=list)
+    tokens_per_s: float = 0.0
+    speedup: float = 1.0
+    step_ms: float = 0.0
+    new_tokens: int = 0
+    compile_s: float = 0.0
+    compilations: int = 0
+    buckets: int = 0
+    matches_plain: bool | None = None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m infer.benchmark", description=__doc__.split("\n\n")[0],
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", metavar="DIR", help="Hugging Face checkpoint directory (default: the shipped reference model)")
+    p.add_argument("--methods", default=",".join(METHODS), metavar="LIST",
+                   help="comma-separated methods to measure (default: %(default)s); plain is always measured")
+    p.add_argument("--heads-root", metavar="DIR",
+                   help="directory holding one heads directory per method (default: MODEL/heads)")
+    p.add_argument("--tree", action="append", default=[], metavar="[METHOD=]SPEC",
+                   help="tree for every speculative method, or METHOD=SPEC for one (repeatable): chain:K, "
+                        "widths:4,2,2, full:W,D, a named tree or a JSON file of paths (default: each method's tree)")
+    p.add_argument("--prompts", metavar="FILE",
+                   help="JSONL prompts, one {\"prompt\": ...} per line (default: MODEL/prompts.jsonl)")
+    p.add_argument("--num-prompts", type=int, default=24, metavar="N", help="first N prompts of the file (default: %(default)s)")
+    p.add_argument("--batch-sizes", default="1,8", metavar="LIST", help="comma-separated batch sizes (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=96, metavar="N", help="tokens generated per prompt (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=3, metavar="R", help="timed passes over the prompts; medians are reported (default: %(default)s)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="dtype of weights and activations (default: %(default)s)")
+    p.add_argument("--hf", action="store_true", help="also run Hugging Face transformers generate (PyTorch) on the same model and prompts")
+    p.add_argument("--shape", choices=tuple(SHAPES),
+                   help="also time plain and speculative steps of this architecture with random weights (bfloat16; "
+                        "meant for an accelerator) and project speedup = tau (reference model) x plain step / spec step")
+    p.add_argument("--shape-layers", type=int, metavar="L", help="with --shape: keep only the first L layers (a quicker, smaller run)")
+    p.add_argument("--json", metavar="OUT", help="write the results as JSON")
+    p.add_argument("--plot", metavar="OUT.png", help="write a PNG: speedup and tau per method, acceptance per depth")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of random heads and random --shape weights (default: %(default)s)")
+    return p
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise CloverError(f"{flag} {text!r}: expected comma-separated integers such as 1,8") from None
+    if not values or any(v < 1 for v in values):
+        raise CloverError(f"{flag} {text!r}: give one or more integers >= 1")
+    return values
+
+
+def _trees(specs: list[str], methods: list[str]) -> dict[str, str | None]:
+    trees: dict[str, str | None] = {m: None for m in methods}
+    for spec in specs:
+        method, sep, tree = spec.partition("=")
+        if sep and method in METHODS:
+            if method == "plain":
+                raise CloverError("--tree plain=...: plain decoding has no tree")
+            trees[method] = tree
+        else:
+            trees.update({m: spec for m in methods if m != "plain"})
+    return trees
+
+
+# ------------------------------------------------------------------------------------------ measuring
+
+def measure_bandwidth(megabytes: int = 256, repeats: int = 7) -> float:
+    """The device's streaming-read bandwidth in bytes/s: a jitted sum over an array far larger than any
+    cache (median of `repeats`)."""
+    x = jnp.ones((megabytes << 18,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    jax.block_until_ready(total(x))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(total(x))
+        times.append(time.perf_counter() - t0)
+    return x.nbytes / statistics.median(times)
+
+
+def _padded_batches(prompts: list[list[int]], size: int):
+    """Batches of exactly `size` (the last padded with budget-0 copies, so one program serves them all)."""
+    for start in range(0, len(prompts), size):
+        group = prompts[start:start + size]
+        real = len(group)
+        yield group + [group[0]] * (size - real), real
+
+
+def run_engine(generator: Generator, prompts: list[list[int]], batch_size: int, max_new: int,
+               repeats: int, progress) -> tuple[dict, list[list[int]]]:
+    """Warm-up pass (compiles every bucket), then `repeats` timed passes. Returns statistics and tokens."""
+    buckets = {bucket_for(max(len(p) for p in group), generator.buckets)
+               for group, _ in _padded_batches(prompts, batch_size)}
+    compile_s, tokens = 0.0, []
+    seconds, steps, seq_steps, hist = [], 0, 0, None
+    for rep in range(repeats + 1):
+        run_s = 0.0
+        for group, real in _padded_batches(prompts, batch_size):
+            out = generator.generate(group, max_new, eos_ids=(), budgets=[max_new] * real + [0] * (len(group) - real))
+            progress.update(1)
+            if rep == 0:
+                compile_s += out.compile_seconds
+                tokens += out.tokens[:real]
+                steps += out.steps
+                seq_steps += sum(out.sequence_steps[:real])
+                if out.accept_hist is not None:
+                    h = out.accept_hist[:real].sum(0)
+                    hist = h if hist is None else hist + h
+            else:
+                run_s += out.run_seconds
+        if rep:
+            seconds.append(run_s)
+    new = sum(len(t) for t in tokens)
+    run_s = statistics.median(seconds)
+    accept = [] if hist is None else [float(hist[d:].sum() / max(hist.sum(), 1)) for d in range(1, len(hist))]
+    stats = dict(tau=new / max(seq_steps, 1), accept_per_depth=accept, tokens_per_s=new / run_s,
+                 step_ms=1e3 * run_s / max(steps, 1), new_tokens=new, compile_s=compile_s,
+                 compilations=generator.compilations, buckets=len(buckets))
+    return stats, tokens
+
+
+def plain_efficiency(model: Llama, prompts: list[list[int]], max_new: int, step_ms: float, bandwidth: float) -> dict:
+    """Batch-1 plain decoding against the bandwidth limit: each step reads every weight once and the
+    K/V of the tokens so far (the mean over the run's steps)."""
+    cfg = model.cfg
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    per_token_kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(model.dtype).itemsize
+    mean_context = float(np.mean([len(p) + (max_new - 1) / 2 for p in prompts]))
+    step_bytes = weight_bytes + per_token_kv * mean_context
+    achieved = step_bytes / (step_ms / 1e3)
+    return dict(weight_bytes=int(weight_bytes), kv_bytes_per_step=float(per_token_kv * mean_context),
+                bytes_per_step=float(step_bytes), achieved_bytes_per_s=achieved, bandwidth_bytes_per_s=bandwidth,
+                fraction_of_bandwidth=achieved / bandwidth, limit_step_ms=1e3 * step_bytes / bandwidth)
+
+
+def run_hf(path: Path, prompts: list[list[int]], batch_size: int, max_new: int, repeats: int, dtype: str,
+           progress) -> dict[str, tuple[dict, list[list[int]]]]:
+    """`transformers` greedy generate on the same checkpoint and token ids; with batch 1 also prompt
+    lookup decoding (HF's assisted generation without a draft model)."""
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        raise CloverError("--hf needs PyTorch: pip install torch") from None
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=getattr(torch, dtype), use_safetensors=True, trust_remote_code=False, local_files_only=True)
+    model.eval()
+    modes = {"hf-generate": {}}
+    if batch_size == 1:
+        modes["hf-prompt-lookup"] = {"prompt_lookup_num_tokens": 10}
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    results = {}
+    for name, extra in modes.items():
+        seconds, tokens = [], []
+        for rep in range(repeats + 1):
+            run_s = 0.0
+            for start in range(0, len(prompts), batch_size):
+                group = prompts[start:start + batch_size]
+                width = max(len(p) for p in group)
+                ids = torch.tensor([[pad] * (width - len(p)) + p for p in group])  # left padding
+                mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
+                                         min_new_tokens=max_new, do_sample=False, pad_token_id=pad, **extra)
+                run_s += time.perf_counter() - t0
+                progress.update(1)
+                if rep == 0:
+                    tokens += [row[width:].tolist() for row in out]
+            if rep:
+                seconds.append(run_s)
+        new = sum(len(t) for t in tokens)
+        results[name] = (dict(tokens_per_s=new / statistics.median(seconds), new_tokens=new), tokens)
+    return results
+
+
+def shape_step_times(shape: str, layers: int | None, methods: list[str], trees: dict, batch_size: int,
+                     max_new: int, seed: int, progress) -> dict[str, dict]:
+    """Plain and speculative step latency of a real architecture with random bfloat16 weights and random
+    heads (acceptance is irrelevant here: a step costs the same whatever it accepts)."""
+    from clover_jax.heads import DEFAULT_NUM_HEADS, HeadsConfig, make_heads
+    from clover_jax.speculative import SpeculativeGenerator
+    from clover_jax.tree import resolve_tree
+
+    fields = dict(SHAPES[shape], model_type="llama", rms_norm_eps=1e-5, tie_word_embeddings=False)
+    if layers:
+        fields["num_hidden_layers"] = layers
+    cfg = ModelConfig.from_hf_dict(fields)
+    model = nnx.eval_shape(lambda: Llama(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(seed)))
+    graphdef, abstract = nnx.split(model)
+    keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(abstract))))
+    params = jax.tree.map(lambda a: (0.02 * jax.random.normal(next(keys), a.shape, jnp.float32)).astype(a.dtype),
+                          abstract)
+    model = nnx.merge(graphdef, params)
+    prompt_len = 128
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, cfg.vocab_size, prompt_len).tolist() for _ in range(batch_size)]
+    out = {}
+    for method in methods:
+        if method == "plain":
+            gen = Generator(model, max_len=prompt_len + max_new)
+        else:
+            heads = make_heads(HeadsConfig(method, DEFAULT_NUM_HEADS[method]), model, seed=seed)
+            gen = SpeculativeGenerator(model, heads, resolve_tree(trees.get(method), method, heads.num_heads),
+                                       max_len=prompt_len + max_new)
+        gen.generate(prompts, max_new, eos_ids=())  # compile
+        times = []
+        for _ in range(3):
+            o = gen.generate(prompts, max_new, eos_ids=())
+            times.append(o.run_seconds / o.steps)
+        progress.update(1)
+        out[method] = dict(step_ms=1e3 * statistics.median(times),
+                           tree_nodes=getattr(getattr(gen, "tree", None), "num_nodes", 1))
+        del gen
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    return dict(shape=shape, layers=cfg.num_layers, batch_size=batch_size, weight_bytes=int(weight_bytes),
+                methods=out)
+
+
+# ------------------------------------------------------------------------------------------ reporting
+
+def machine_info(bandwidth: float) -> dict:
+    dev = jax.devices()[0]
+    return dict(platform=dev.platform, device=dev.device_kind, devices=jax.device_count(),
+                cpu=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
+                jax=jax.__version__, bandwidth_bytes_per_s=bandwidth,
+                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+
+
+def format_table(rows: list[Row]) -> str:
+    head = f"{'method':<17}{'batch':>5} {'tree':<22}{'tau':>6}{'tok/s':>9}{'speedup':>8}{'step ms':>9}" \
+           f"{'compile s':>10}{'compiles':>9}  accept@1..D"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        tree = f"{r.tree or '-'} ({r.tree_nodes})" if r.tree else "-"
+        compiles = f"{r.compilations}/{r.buckets}" if r.buckets else "-"
+        same = "" if r.matches_plain is None else ("" if r.matches_plain else "  OUTPUT DIFFERS FROM PLAIN")
+        step = f"{r.step_ms:.2f}" if r.step_ms else "-"
+        comp = f"{r.compile_s:.1f}" if r.buckets else "-"
+        tau = "-" if r.tau is None else f"{r.tau:.2f}"
+        lines.append(f"{r.method:<17}{r.batch_size:>5} {tree:<22}{tau:>6}{r.tokens_per_s:>9.1f}{r.speedup:>7.2f}x"
+                     f"{step:>9}{comp:>10}{compiles:>9}  {' '.join(f'{a:.2f}' for a in r.accept_per_depth)}{same}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(dict.fromkeys(r.method for r in rows))
+    sizes = sorted({r.batch_size for r in rows})
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    width = 0.8 / len(sizes)
+    for k, b in enumerate(sizes):
+        by = {r.method: r for r in rows if r.batch_size == b}
+        xs = np.arange(len(methods)) + k * width
+        axes[0].bar(xs, [by[m].speedup if m in by else 0 for m in methods], width, label=f"batch {b}")
+        axes[1].bar(xs, [(by[m].tau or 0) if m in by else 0 for m in methods], width, label=f"batch {b}")
+    for ax, title in ((axes[0], "speedup over plain (tokens/s ratio)"), (axes[1], "tau: tokens per base forward")):
+        ax.set_xticks(np.arange(len(methods)) + width * (len(sizes) - 1) / 2)
+        ax.set_xticklabels(methods, rotation=20)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_title(title)
+        ax.legend()
+    for r in rows:
+        if r.accept_per_depth and r.batch_size == sizes[0]:
+            axes[2].plot(range(1, len(r.accept_per_depth) + 1), r.accept_per_depth, marker="o", label=r.method)
+    axes[2].set_title(f"steps accepting >= d drafted tokens (batch {sizes[0]})")
+    axes[2].set_xlabel("depth d")
+    axes[2].set_ylim(0, 1)
+    axes[2].legend()
+    fig.tight_layout()
+    tmp = Path(out).with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, out)
+    plt.close(fig)
+
+
+def _write_json(result: dict, out: str) -> None:
+    tmp = Path(out).with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, out)
+
+
+# ------------------------------------------------------------------------------------------ main
+
+def _benchmark(args: argparse.Namespace) -> int:
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise CloverError(f"--methods: unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
+    methods = ["plain"] + [m for m in dict.fromkeys(methods) if m != "plain"]
+    sizes = _int_list(args.batch_sizes, "--batch-sizes")
+    for flag, value in (("--num-prompts", args.num_prompts), ("--max-new-tokens", args.max_new_tokens),
+                        ("--repeats", args.repeats)):
+        if value < 1:
+            raise CloverError(f"{flag} {value} must be >= 1")
+    trees = _trees(args.tree, methods)
+    path = cli.model_dir(args.model)
+    cfg = ModelConfig.from_pretrained(path)
+    tokenizer = cli.load_tokenizer(path)
+    prompt_file = args.prompts or path / "prompts.jsonl"
+    if args.prompts is None and not Path(prompt_file).is_file():
+        raise CloverError(f"no prompts file at {prompt_file}; pass --prompts FILE")
+    texts = cli.read_prompts(prompt_file)[: args.num_prompts]
+    prompts = [cli.encode(tokenizer, t, bos_id=cfg.bos_token_id) for t in texts]
+    _, model = load_pretrained(path, dtype=DTYPES[args.dtype])
+    heads_root = Path(args.heads_root) if args.heads_root else path / "heads"
+
+    bandwidth = measure_bandwidth()
+    per_size = {b: -(-len(prompts) // b) * (args.repeats + 1) for b in sizes}  # batches per method and size
+    hf_passes = sum(n * (2 if b == 1 else 1) for b, n in per_size.items()) if args.hf else 0
+    total = sum(per_size.values()) * len(methods) + hf_passes + (len(methods) if args.shape else 0)
+    rows: list[Row] = []
+    efficiency = None
+    with tqdm(total=total, desc="benchmark", unit="batch", file=sys.stderr) as progress:
+        for b in sizes:
+            plain_tokens, plain_tps = None, None
+            for method in methods:
+                progress.set_postfix_str(f"{method} batch {b}")
+                heads = None if method == "plain" else str(heads_root / method)
+                gen = make_generator(model, method, model_path=path, heads=heads, tree=trees.get(method),
+                                     seed=args.seed)
+                stats, tokens = run_engine(gen, prompts, b, args.max_new_tokens, args.repeats, progress)
+                tree = getattr(gen, "tree", None)
+                row = Row(method=method, batch_size=b, tree=trees.get(method) or ("default" if tree else ""),
+                          tree_nodes=tree.num_nodes if tree else 1, **stats)
+                if method == "plain":
+                    plain_tokens, plain_tps = tokens, row.tokens_per_s
+                    if b == 1:
+                        efficiency = plain_efficiency(model, prompts, args.max_new_tokens, row.step_ms, bandwidth)
+                else:
+                    row.matches_plain = tokens == plain_tokens
+                row.speedup = row.tokens_per_s / plain_tps
+                rows.append(row)
+            if args.hf:
+                for name, (stats, tokens) in run_hf(path, prompts, b, args.max_new_tokens, args.repeats,
+                                                    args.dtype, progress).items():
+                    rows.append(Row(method=name, batch_size=b, tau=None, speedup=stats["tokens_per_s"] / plain_tps,
+                                    tokens_per_s=stats["tokens_per_s"], new_tokens=stats["new_tokens"],
+                                    matches_plain=tokens == plain_tokens))
+        shape = None
+        if args.shape:
+            progress.set_postfix_str(f"--shape {args.shape}")
+            shape = shape_step_times(args.shape, args.shape_layers, methods, trees, sizes[0], args.max_new_tokens,
+                                     args.seed, progress)
+            plain_ms = shape["methods"]["plain"]["step_ms"]
+            tau = {r.method: r.tau for r in rows if r.batch_size == sizes[0]}
+            for m, s in shape["methods"].items():
+                s["tau_reference"] = tau[m]
+                s["projected_speedup"] = tau[m] * plain_ms / s["step_ms"]
+            shape["limit_step_ms"] = 1e3 * shape["weight_bytes"] / bandwidth
+
+    print(format_table(rows))
+    if efficiency:
+        print(f"\nplain decoding, batch 1: {efficiency['bytes_per_step'] / 1e6:.1f} MB read per step "
+              f"(weights {efficiency['weight_bytes'] / 1e6:.1f} MB + KV {efficiency['kv_bytes_per_step'] / 1e6:.2f} MB) "
+              f"in {rows[0].step_ms:.2f} ms = {efficiency['achieved_bytes_per_s'] / 1e9:.1f} GB/s; measured streaming "
+              f"bandwidth {bandwidth / 1e9:.1f} GB/s -> {100 * efficiency['fraction_of_bandwidth']:.0f}% of the limit "
+              f"({efficiency['limit_step_ms']:.2f} ms/step)")
+    for b in sizes:
+        hf = {r.method: r for r in rows if r.batch_size == b and r.method.startswith("hf-")}
+        if "hf-generate" in hf:
+            ours = {r.method: r.tokens_per_s for r in rows if r.batch_size == b and not r.method.startswith("hf-")}
+            ratios = ", ".join(f"{m} {t / hf['hf-generate'].tokens_per_s:.1f}x" for m, t in ours.items())
+            print(f"against transformers generate, batch {b}: {ratios}")
+    if shape:
+        print(f"\n--shape {shape['shape']} ({shape['layers']} layers, bfloat16, batch {shape['batch_size']}, "
+              f"{shape['weight_bytes'] / 1e9:.2f} GB of weights; bandwidth limit {shape['limit_step_ms']:.2f} ms/step):")
+        for m, s in shape["methods"].items():
+            print(f"  {m:<8} step {s['step_ms']:8.2f} ms  nodes {s['tree_nodes']:>3}  tau(reference) {s['tau_reference']:.2f}"
+                  f"  projected speedup {s['projected_speedup']:.2f}x")
+    result = {"results": [dataclasses.asdict(r) for r in rows], "plain_efficiency": efficiency, "shape": shape,
+              "machine": machine_info(bandwidth),
+              "settings": dict(model=str(path), prompts=str(prompt_file), num_prompts=len(prompts),
+                               max_new_tokens=args.max_new_tokens, repeats=args.repeats, dtype=args.dtype,
+                               trees={m: t for m, t in trees.items() if m != "plain"}, command=" ".join(sys.argv))}
+    if args.json:
+        _write_json(result, args.json)
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return cli.run_main(lambda: _benchmark(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

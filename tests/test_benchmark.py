@@ -1,0 +1,50 @@
+"""Smoke test of `python -m infer.benchmark` on the shipped reference model with tiny settings: it runs
+every mode (engine, transformers peer, --shape), its JSON has the documented fields, and nothing is timed."""
+
+import json
+
+import pytest
+
+from infer import benchmark
+
+
+def test_benchmark_runs_and_reports(tmp_path, capsys):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    code = benchmark.main(["--methods", "plain,medusa,clover2", "--num-prompts", "3", "--batch-sizes", "1,2",
+                           "--max-new-tokens", "6", "--repeats", "1", "--tree", "medusa=chain:2", "--hf",
+                           "--shape", "tiny", "--shape-layers", "1", "--json", str(out), "--plot", str(png)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    rows = {(r["method"], r["batch_size"]): r for r in result["results"]}
+    assert set(rows) == {(m, b) for m in ("plain", "medusa", "clover2", "hf-generate") for b in (1, 2)} | {("hf-prompt-lookup", 1)}
+    for (method, b), r in rows.items():
+        assert r["tokens_per_s"] > 0 and r["speedup"] > 0 and r["new_tokens"] == 3 * 6
+        assert r["matches_plain"] is not False  # greedy: every method writes plain decoding's tokens
+        if not method.startswith("hf-"):
+            assert r["tau"] >= 1 and r["compilations"] == r["buckets"] >= 1
+    assert rows[("plain", 1)]["tau"] == 1.0 and rows[("plain", 1)]["speedup"] == 1.0
+    assert rows[("medusa", 1)]["tree_nodes"] == 3 and len(rows[("medusa", 1)]["accept_per_depth"]) == 2
+    assert len(rows[("clover2", 1)]["accept_per_depth"]) == 5
+    eff = result["plain_efficiency"]
+    assert eff["bandwidth_bytes_per_s"] > 0 and 0 < eff["fraction_of_bandwidth"] and eff["weight_bytes"] > 8e6
+    assert result["machine"]["bandwidth_bytes_per_s"] == eff["bandwidth_bytes_per_s"]
+    shape = result["shape"]
+    assert shape["layers"] == 1 and set(shape["methods"]) == {"plain", "medusa", "clover2"}
+    assert all(s["step_ms"] > 0 and s["projected_speedup"] > 0 for s in shape["methods"].values())
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = capsys.readouterr().out
+    assert "hf-prompt-lookup" in table and "of the limit" in table and "projected speedup" in table
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--methods", "plain,eagle"], "unknown method 'eagle'"),
+    (["--batch-sizes", "1,zero"], "--batch-sizes '1,zero': expected comma-separated integers"),
+    (["--batch-sizes", "0"], "give one or more integers >= 1"),
+    (["--repeats", "0"], "--repeats 0 must be >= 1"),
+    (["--tree", "plain=chain:2"], "plain decoding has no tree"),
+    (["--prompts", "/nonexistent.jsonl"], "/nonexistent.jsonl"),
+])
+def test_benchmark_bad_input_is_one_line(args, message, capsys):
+    assert benchmark.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
