@@ -86,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads-root", metavar="DIR",
                    help="directory holding one heads directory per method (default: MODEL/heads)")
     p.add_argument("--tree", action="append", default=[], metavar="[METHOD=]SPEC",
-                   help="tree for every speculative method, or METHOD=SPEC for one (repeatable): chain:K, "
-                        "widths:4,2,2, full:W,D, a named tree or a JSON file of paths (default: each method's tree)")
+                   help="draft tree for every speculative method, or METHOD=SPEC for one; repeat it to measure "
+                        "several trees in the same run. SPEC: default (the method's own), chain:K, widths:4,2,2, "
+                        "full:WxD, a named tree or a JSON file of paths (default: each method's default tree)")
     p.add_argument("--prompts", metavar="FILE",
                    help="JSONL prompts, one {\"prompt\": ...} per line (default: MODEL/prompts.jsonl)")
     p.add_argument("--num-prompts", type=int, default=24, metavar="N", help="first N prompts of the file (default: %(default)s)")
@@ -116,17 +117,25 @@ def _int_list(text: str, flag: str) -> list[int]:
     return values
 
 
-def _trees(specs: list[str], methods: list[str]) -> dict[str, str | None]:
-    trees: dict[str, str | None] = {m: None for m in methods}
+def _configs(specs: list[str], methods: list[str]) -> list[tuple[str, str | None]]:
+    """(method, tree spec) pairs to measure: plain once, each speculative method once per tree given for
+    it (`SPEC` applies to every method, `METHOD=SPEC` to one; `default` or none: the method's own)."""
+    trees: dict[str, list[str | None]] = {m: [] for m in methods if m != "plain"}
     for spec in specs:
         method, sep, tree = spec.partition("=")
-        if sep and method in METHODS:
-            if method == "plain":
-                raise CloverError("--tree plain=...: plain decoding has no tree")
-            trees[method] = tree
-        else:
-            trees.update({m: spec for m in methods if m != "plain"})
-    return trees
+        targets = [method] if sep and method in METHODS else list(trees)
+        if not sep or method not in METHODS:
+            tree = spec
+        if targets == ["plain"]:
+            raise CloverError("--tree plain=...: plain decoding has no tree")
+        for m in targets:
+            if m in trees:
+                trees[m].append(None if tree == "default" else tree)
+    return [("plain", None)] + [(m, t) for m, ts in trees.items() for t in (list(dict.fromkeys(ts)) or [None])]
+
+
+def label(method: str, tree: str | None) -> str:
+    return method if method == "plain" else f"{method} {tree or 'default'}"
 
 
 # ------------------------------------------------------------------------------------------ measuring
@@ -243,7 +252,7 @@ def run_hf(path: Path, prompts: list[list[int]], batch_size: int, max_new: int, 
     return results
 
 
-def shape_step_times(shape: str, layers: int | None, methods: list[str], trees: dict, batch_size: int,
+def shape_step_times(shape: str, layers: int | None, configs: list[tuple[str, str | None]], batch_size: int,
                      max_new: int, seed: int, progress) -> dict[str, dict]:
     """Plain and speculative step latency of a real architecture with random bfloat16 weights and random
     heads (acceptance is irrelevant here: a step costs the same whatever it accepts)."""
@@ -265,12 +274,12 @@ def shape_step_times(shape: str, layers: int | None, methods: list[str], trees: 
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, cfg.vocab_size, prompt_len).tolist() for _ in range(batch_size)]
     out = {}
-    for method in methods:
+    for method, tree in configs:
         if method == "plain":
             gen = Generator(model, max_len=prompt_len + max_new)
         else:
             heads = make_heads(HeadsConfig(method, DEFAULT_NUM_HEADS[method]), model, seed=seed)
-            gen = SpeculativeGenerator(model, heads, resolve_tree(trees.get(method), method, heads.num_heads),
+            gen = SpeculativeGenerator(model, heads, resolve_tree(tree, method, heads.num_heads),
                                        max_len=prompt_len + max_new)
         gen.generate(prompts, max_new, eos_ids=())  # compile
         times = []
@@ -278,7 +287,7 @@ def shape_step_times(shape: str, layers: int | None, methods: list[str], trees: 
             o = gen.generate(prompts, max_new, eos_ids=())
             times.append(o.run_seconds / o.steps)
         progress.update(1)
-        out[method] = dict(step_ms=1e3 * statistics.median(times),
+        out[label(method, tree)] = dict(step_ms=1e3 * statistics.median(times),
                            tree_nodes=getattr(getattr(gen, "tree", None), "num_nodes", 1))
         del gen
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
@@ -301,7 +310,7 @@ def format_table(rows: list[Row]) -> str:
            f"{'compile s':>10}{'compiles':>9}  accept@1..D"
     lines = [head, "-" * len(head)]
     for r in rows:
-        tree = f"{r.tree or '-'} ({r.tree_nodes})" if r.tree else "-"
+        tree = f"{r.tree} ({r.tree_nodes})" if r.tree else "-"
         compiles = f"{r.compilations}/{r.buckets}" if r.buckets else "-"
         same = "" if r.matches_plain is None else ("" if r.matches_plain else "  OUTPUT DIFFERS FROM PLAIN")
         step = f"{r.step_ms:.2f}" if r.step_ms else "-"
@@ -318,24 +327,25 @@ def plot(rows: list[Row], out: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    methods = list(dict.fromkeys(r.method for r in rows))
+    names = list(dict.fromkeys(label(r.method, r.tree) for r in rows))
     sizes = sorted({r.batch_size for r in rows})
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     width = 0.8 / len(sizes)
     for k, b in enumerate(sizes):
-        by = {r.method: r for r in rows if r.batch_size == b}
-        xs = np.arange(len(methods)) + k * width
-        axes[0].bar(xs, [by[m].speedup if m in by else 0 for m in methods], width, label=f"batch {b}")
-        axes[1].bar(xs, [(by[m].tau or 0) if m in by else 0 for m in methods], width, label=f"batch {b}")
+        by = {label(r.method, r.tree): r for r in rows if r.batch_size == b}
+        xs = np.arange(len(names)) + k * width
+        axes[0].bar(xs, [by[m].speedup if m in by else 0 for m in names], width, label=f"batch {b}")
+        axes[1].bar(xs, [(by[m].tau or 0) if m in by else 0 for m in names], width, label=f"batch {b}")
     for ax, title in ((axes[0], "speedup over plain (tokens/s ratio)"), (axes[1], "tau: tokens per base forward")):
-        ax.set_xticks(np.arange(len(methods)) + width * (len(sizes) - 1) / 2)
-        ax.set_xticklabels(methods, rotation=20)
+        ax.set_xticks(np.arange(len(names)) + width * (len(sizes) - 1) / 2)
+        ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_title(title)
         ax.legend()
     for r in rows:
         if r.accept_per_depth and r.batch_size == sizes[0]:
-            axes[2].plot(range(1, len(r.accept_per_depth) + 1), r.accept_per_depth, marker="o", label=r.method)
+            axes[2].plot(range(1, len(r.accept_per_depth) + 1), r.accept_per_depth, marker="o",
+                         label=label(r.method, r.tree))
     axes[2].set_title(f"steps accepting >= d drafted tokens (batch {sizes[0]})")
     axes[2].set_xlabel("depth d")
     axes[2].set_ylim(0, 1)
@@ -366,7 +376,7 @@ def _benchmark(args: argparse.Namespace) -> int:
                         ("--repeats", args.repeats)):
         if value < 1:
             raise CloverError(f"{flag} {value} must be >= 1")
-    trees = _trees(args.tree, methods)
+    configs = _configs(args.tree, methods)
     path = cli.model_dir(args.model)
     cfg = ModelConfig.from_pretrained(path)
     tokenizer = cli.load_tokenizer(path)
@@ -381,20 +391,19 @@ def _benchmark(args: argparse.Namespace) -> int:
     bandwidth = measure_bandwidth()
     per_size = {b: -(-len(prompts) // b) * (args.repeats + 1) for b in sizes}  # batches per method and size
     hf_passes = sum(n * (2 if b == 1 else 1) for b, n in per_size.items()) if args.hf else 0
-    total = sum(per_size.values()) * len(methods) + hf_passes + (len(methods) if args.shape else 0)
+    total = sum(per_size.values()) * len(configs) + hf_passes + (len(configs) if args.shape else 0)
     rows: list[Row] = []
     efficiency = None
     with tqdm(total=total, desc="benchmark", unit="batch", file=sys.stderr) as progress:
         for b in sizes:
             plain_tokens, plain_tps = None, None
-            for method in methods:
-                progress.set_postfix_str(f"{method} batch {b}")
+            for method, spec in configs:
+                progress.set_postfix_str(f"{label(method, spec)}, batch {b}")
                 heads = None if method == "plain" else str(heads_root / method)
-                gen = make_generator(model, method, model_path=path, heads=heads, tree=trees.get(method),
-                                     seed=args.seed)
+                gen = make_generator(model, method, model_path=path, heads=heads, tree=spec, seed=args.seed)
                 stats, tokens = run_engine(gen, prompts, b, args.max_new_tokens, args.repeats, progress)
                 tree = getattr(gen, "tree", None)
-                row = Row(method=method, batch_size=b, tree=trees.get(method) or ("default" if tree else ""),
+                row = Row(method=method, batch_size=b, tree="" if method == "plain" else spec or "default",
                           tree_nodes=tree.num_nodes if tree else 1, **stats)
                 if method == "plain":
                     plain_tokens, plain_tps = tokens, row.tokens_per_s
@@ -413,10 +422,10 @@ def _benchmark(args: argparse.Namespace) -> int:
         shape = None
         if args.shape:
             progress.set_postfix_str(f"--shape {args.shape}")
-            shape = shape_step_times(args.shape, args.shape_layers, methods, trees, sizes[0], args.max_new_tokens,
+            shape = shape_step_times(args.shape, args.shape_layers, configs, sizes[0], args.max_new_tokens,
                                      args.seed, progress)
             plain_ms = shape["methods"]["plain"]["step_ms"]
-            tau = {r.method: r.tau for r in rows if r.batch_size == sizes[0]}
+            tau = {label(r.method, r.tree): r.tau for r in rows if r.batch_size == sizes[0]}
             for m, s in shape["methods"].items():
                 s["tau_reference"] = tau[m]
                 s["projected_speedup"] = tau[m] * plain_ms / s["step_ms"]
@@ -432,20 +441,21 @@ def _benchmark(args: argparse.Namespace) -> int:
     for b in sizes:
         hf = {r.method: r for r in rows if r.batch_size == b and r.method.startswith("hf-")}
         if "hf-generate" in hf:
-            ours = {r.method: r.tokens_per_s for r in rows if r.batch_size == b and not r.method.startswith("hf-")}
+            ours = {label(r.method, r.tree): r.tokens_per_s for r in rows
+                    if r.batch_size == b and not r.method.startswith("hf-")}
             ratios = ", ".join(f"{m} {t / hf['hf-generate'].tokens_per_s:.1f}x" for m, t in ours.items())
             print(f"against transformers generate, batch {b}: {ratios}")
     if shape:
         print(f"\n--shape {shape['shape']} ({shape['layers']} layers, bfloat16, batch {shape['batch_size']}, "
               f"{shape['weight_bytes'] / 1e9:.2f} GB of weights; bandwidth limit {shape['limit_step_ms']:.2f} ms/step):")
         for m, s in shape["methods"].items():
-            print(f"  {m:<8} step {s['step_ms']:8.2f} ms  nodes {s['tree_nodes']:>3}  tau(reference) {s['tau_reference']:.2f}"
+            print(f"  {m:<24} step {s['step_ms']:8.2f} ms  nodes {s['tree_nodes']:>3}  tau(reference) {s['tau_reference']:.2f}"
                   f"  projected speedup {s['projected_speedup']:.2f}x")
     result = {"results": [dataclasses.asdict(r) for r in rows], "plain_efficiency": efficiency, "shape": shape,
               "machine": machine_info(bandwidth),
               "settings": dict(model=str(path), prompts=str(prompt_file), num_prompts=len(prompts),
                                max_new_tokens=args.max_new_tokens, repeats=args.repeats, dtype=args.dtype,
-                               trees={m: t for m, t in trees.items() if m != "plain"}, command=" ".join(sys.argv))}
+                               command=" ".join(sys.argv))}
     if args.json:
         _write_json(result, args.json)
     if args.plot:

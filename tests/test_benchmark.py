@@ -11,25 +11,28 @@ from infer import benchmark
 def test_benchmark_runs_and_reports(tmp_path, capsys):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     code = benchmark.main(["--methods", "plain,medusa,clover2", "--num-prompts", "3", "--batch-sizes", "1,2",
-                           "--max-new-tokens", "6", "--repeats", "1", "--tree", "medusa=chain:2", "--hf",
+                           "--max-new-tokens", "6", "--repeats", "1", "--tree", "medusa=chain:2", "--tree", "medusa=chain:1", "--hf",
                            "--shape", "tiny", "--shape-layers", "1", "--json", str(out), "--plot", str(png)])
     assert code == 0
     result = json.loads(out.read_text())
-    rows = {(r["method"], r["batch_size"]): r for r in result["results"]}
-    assert set(rows) == {(m, b) for m in ("plain", "medusa", "clover2", "hf-generate") for b in (1, 2)} | {("hf-prompt-lookup", 1)}
-    for (method, b), r in rows.items():
+    rows = {(r["method"], r["tree"], r["batch_size"]): r for r in result["results"]}
+    configs = [("plain", ""), ("medusa", "chain:2"), ("medusa", "chain:1"), ("clover2", "default"), ("hf-generate", "")]
+    assert set(rows) == {(m, t, b) for m, t in configs for b in (1, 2)} | {("hf-prompt-lookup", "", 1)}
+    for (method, _, b), r in rows.items():
         assert r["tokens_per_s"] > 0 and r["speedup"] > 0 and r["new_tokens"] == 3 * 6
         assert r["matches_plain"] is not False  # greedy: every method writes plain decoding's tokens
         if not method.startswith("hf-"):
             assert r["tau"] >= 1 and r["compilations"] == r["buckets"] >= 1
-    assert rows[("plain", 1)]["tau"] == 1.0 and rows[("plain", 1)]["speedup"] == 1.0
-    assert rows[("medusa", 1)]["tree_nodes"] == 3 and len(rows[("medusa", 1)]["accept_per_depth"]) == 2
-    assert len(rows[("clover2", 1)]["accept_per_depth"]) == 5
+    assert rows[("plain", "", 1)]["tau"] == 1.0 and rows[("plain", "", 1)]["speedup"] == 1.0
+    assert rows[("medusa", "chain:2", 1)]["tree_nodes"] == 3 and len(rows[("medusa", "chain:2", 1)]["accept_per_depth"]) == 2
+    assert rows[("medusa", "chain:1", 1)]["tree_nodes"] == 2
+    assert len(rows[("clover2", "default", 1)]["accept_per_depth"]) == 5
     eff = result["plain_efficiency"]
     assert eff["bandwidth_bytes_per_s"] > 0 and 0 < eff["fraction_of_bandwidth"] and eff["weight_bytes"] > 8e6
     assert result["machine"]["bandwidth_bytes_per_s"] == eff["bandwidth_bytes_per_s"]
     shape = result["shape"]
-    assert shape["layers"] == 1 and set(shape["methods"]) == {"plain", "medusa", "clover2"}
+    assert shape["layers"] == 1
+    assert set(shape["methods"]) == {"plain", "medusa chain:2", "medusa chain:1", "clover2 default"}
     assert all(s["step_ms"] > 0 and s["projected_speedup"] > 0 for s in shape["methods"].values())
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = capsys.readouterr().out
