@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +23,7 @@ from safetensors.numpy import save_file
 from clover_jax.config import ModelConfig
 from clover_jax.errors import CloverError
 from clover_jax.model import Llama
+from clover_jax.sharding import param_sharding
 
 # HF keys that carry no weights we need (old checkpoints saved RoPE buffers).
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -82,13 +82,13 @@ class _TensorFiles:
         return self.handles[self.where[key]].get_slice(key)
 
 
-def load_pretrained(model_dir: str | Path, dtype=jnp.float32,
-                    sharding_for: Callable[[tuple, tuple], jax.sharding.Sharding] | None = None
+def load_pretrained(model_dir: str | Path, dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None
                     ) -> tuple[ModelConfig, Llama]:
     """Load a HF Llama/Mistral/Qwen2 checkpoint directory into a `Llama` of the given dtype.
 
-    `sharding_for(path, shape)` places each parameter (default: the first device); each device then
-    reads only its own slice of the tensor from disk.
+    With a mesh, each parameter is placed by the rule table (`sharding.py`) and each device reads only
+    its own slice of the tensor from disk (memory-mapped), so no host or device ever holds a full copy
+    of a sharded tensor; without one, everything goes to the first device.
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -112,7 +112,10 @@ def load_pretrained(model_dir: str | Path, dtype=jnp.float32,
             raise CloverError(f"{model_dir}: tensor {name} has shape {list(stored)}, expected {list(expected)} for this config.json")
         used.add(name)
         tensor = files.slice(name)
-        sharding = sharding_for(path, shape) if sharding_for else jax.sharding.SingleDeviceSharding(device)
+        if mesh is None:
+            sharding = jax.sharding.SingleDeviceSharding(device)
+        else:
+            sharding = param_sharding(path, var, mesh)
 
         def read(index, tensor=tensor, transpose=transpose):
             index = tuple(index) if index is not None else (slice(None),) * len(shape)

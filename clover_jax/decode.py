@@ -22,6 +22,7 @@ from clover_jax.cache import KVCache, causal_mask
 from clover_jax.errors import CloverError
 from clover_jax.model import Llama
 from clover_jax.sampling import SamplingConfig, sample, step_keys
+from clover_jax.sharding import batch_sharding, constrain_cache, shard_module
 
 BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
@@ -49,12 +50,12 @@ class DecodeState:
         return self.replace(tokens=tokens, num_new=num_new, last=jnp.where(live, new, self.last), done=done)
 
 
-def prefill(model: Llama, prompts: jax.Array, prompt_lens: jax.Array, cache_len: int):
+def prefill(model: Llama, prompts: jax.Array, prompt_lens: jax.Array, cache_len: int, mesh=None):
     """Run the padded prompts [B, P] through the model; returns (cache with lengths = prompt_lens,
     hidden [B, P, D] and normed hidden [B, P, D] of every position, logits [B, V] at each prompt's
-    last token). Logits are projected at that one position only."""
+    last token). Logits are projected at that one position only. With a mesh, the cache is sharded."""
     b, p = prompts.shape
-    cache = model.init_cache(b, cache_len)
+    cache = constrain_cache(model.init_cache(b, cache_len), mesh)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     out = model(prompts, positions, causal_mask(cache.lengths, p, cache_len), cache, with_logits=False)
     last = (prompt_lens - 1)[:, None, None]
@@ -63,11 +64,11 @@ def prefill(model: Llama, prompts: jax.Array, prompt_lens: jax.Array, cache_len:
 
 
 def generate_plain(graphdef, params, prompts, prompt_lens, budgets, keys, *, sampling: SamplingConfig,
-                   eos_ids: tuple[int, ...], max_new: int, cache_len: int) -> DecodeState:
+                   eos_ids: tuple[int, ...], max_new: int, cache_len: int, mesh=None) -> DecodeState:
     """The whole plain generation as one pure function (jit it with the keyword args static)."""
     model = nnx.merge(graphdef, params)
     b = prompts.shape[0]
-    cache, _, _, logits = prefill(model, prompts, prompt_lens, cache_len)
+    cache, _, _, logits = prefill(model, prompts, prompt_lens, cache_len, mesh)
     state = DecodeState(
         cache=cache, tokens=jnp.zeros((b, max_new), jnp.int32), num_new=jnp.zeros((b,), jnp.int32),
         last=jnp.zeros((b,), jnp.int32), done=budgets <= 0, finite=jnp.isfinite(logits).all(-1),
@@ -113,6 +114,15 @@ class GenerationOutput:
         return self.num_new_tokens / max(self.run_seconds, 1e-9)
 
 
+def to_host(x: jax.Array) -> np.ndarray:
+    """A device array as NumPy on this host, gathered from the other processes when it spans them."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def bucket_for(length: int, buckets: Sequence[int] = BUCKETS) -> int:
     for b in buckets:
         if b >= length:
@@ -127,9 +137,13 @@ class Generator:
     budget checks and compile accounting here are shared.
     """
 
-    def __init__(self, model: Llama, *, max_len: int | None = None, buckets: Sequence[int] = BUCKETS):
+    def __init__(self, model: Llama, *, max_len: int | None = None, buckets: Sequence[int] = BUCKETS,
+                 mesh: jax.sharding.Mesh | None = None):
         self.model = model
         self.cfg = model.cfg
+        self.mesh = mesh
+        if mesh is not None:
+            shard_module(model, mesh)
         self.graphdef, self.params = nnx.split(model)
         self.max_len = max_len or self.cfg.max_position_embeddings
         self.buckets = tuple(b for b in buckets if b < self.max_len) + (self.max_len,)
@@ -175,9 +189,13 @@ class Generator:
         keys = jax.random.split(jax.random.key(seed), b)
         keys = jax.random.key_data(keys)
         static = dict(sampling=sampling, eos_ids=eos, max_new=max_new_tokens,
-                      cache_len=bucket + max_new_tokens + self._slack(), **self._static())
-        args = (self.params, jnp.asarray(padded), jnp.asarray(lens), jnp.asarray(budget), keys)
-        key = (b, bucket, tuple(sorted(static.items(), key=lambda kv: kv[0])))
+                      cache_len=bucket + max_new_tokens + self._slack(), mesh=self.mesh, **self._static())
+        inputs = (padded, lens, budget, keys)
+        if self.mesh is not None:  # each process holds the whole (small) inputs; every device its slice
+            inputs = tuple(jax.make_array_from_callback(x.shape, batch_sharding(self.mesh, x.shape),
+                                                        lambda idx, x=np.asarray(x): x[idx]) for x in inputs)
+        args = (self.params, *map(jnp.asarray, inputs))
+        key = (b, bucket, tuple(sorted(((k, v) for k, v in static.items() if k != "mesh"), key=lambda kv: kv[0])))
         compile_s = 0.0
         if key not in self._compiled:
             t0 = time.perf_counter()
@@ -189,14 +207,14 @@ class Generator:
         state = self._compiled[key](*args)
         state = jax.block_until_ready(state)
         run_s = time.perf_counter() - t0
-        if not bool(np.all(np.asarray(state.finite))):
+        if not bool(np.all(to_host(state.finite))):
             raise CloverError("the model produced non-finite logits (NaN/Inf); check the weights, or try --dtype float32")
-        num = np.asarray(state.num_new)
-        toks = np.asarray(state.tokens)
+        num = to_host(state.num_new)
+        toks = to_host(state.tokens)
         tokens = [toks[i, : num[i]].tolist() for i in range(b)]
-        hist = np.asarray(state.accept_hist) if hasattr(state, "accept_hist") else None
+        hist = to_host(state.accept_hist) if hasattr(state, "accept_hist") else None
         # The prefill's forward pass yields each sequence's first token.
         seq_steps = (np.where(num > 0, hist.sum(-1) + 1, 0).tolist() if hist is not None
                      else [len(t) for t in tokens])
-        return GenerationOutput(tokens=tokens, steps=int(state.step) + 1, compile_seconds=compile_s,
+        return GenerationOutput(tokens=tokens, steps=int(to_host(state.step)) + 1, compile_seconds=compile_s,
                                 run_seconds=run_s, sequence_steps=seq_steps, accept_hist=hist, state=state)

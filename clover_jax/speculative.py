@@ -25,7 +25,8 @@ from clover_jax.decode import Generator, prefill
 from clover_jax.errors import CloverError
 from clover_jax.heads import Heads
 from clover_jax.model import Llama
-from clover_jax.sampling import SamplingConfig, sample, step_keys, top_k
+from clover_jax.sampling import SamplingConfig, distribution, sample, step_keys, top_k
+from clover_jax.sharding import constrain_cache, shard_module
 from clover_jax.tree import Tree
 
 
@@ -63,18 +64,30 @@ class SpecState:
         return self.replace(tokens=tokens, num_new=num_new, done=done)
 
 
-def draft(base: Llama, heads: Heads, tree: Tree, context: jax.Array, root: jax.Array):
-    """Tree tokens [B, N] (node 0 = root) drafted level by level from the heads."""
+def draft(base: Llama, heads: Heads, tree: Tree, context: jax.Array, root: jax.Array,
+          sampling: SamplingConfig = SamplingConfig(), key: jax.Array | None = None):
+    """Tree tokens [B, N] (node 0 = root) drafted level by level from the heads, and per depth d the
+    draft distributions [B, n_{d-1} or 1, V] the children of depth d-1's nodes were drawn from (None when
+    greedy). Greedy takes each node's top-k; sampling draws a node's children without replacement from
+    its head's distribution under `sampling` (Gumbel top-k), the i-th child being the i-th draw."""
     tokens = [root[:, None]]
     state0 = heads.node_state(base, 0, context, root)
     states = [state0[:, None]]  # per depth: [B, n_d, D]
+    dists = []
     for d in range(1, tree.max_depth + 1):
         prev, level = tree.level(d - 1), tree.level(d)
         if heads.token_dependent:
             logits = heads.node_logits(base, d - 1, states[-1], tokens[-1])  # [B, n_{d-1}, V]
         else:
             logits = heads.node_logits(base, d - 1, state0, root)[:, None]  # one distribution per depth
-        top = top_k(logits, tree.max_rank[d - 1])[1]  # [B, n_{d-1} or 1, k]
+        if sampling.greedy:
+            scores = logits
+        else:
+            q = distribution(logits, sampling)
+            dists.append(q)
+            scores = jnp.log(q) + jax.vmap(lambda k, x: jax.random.gumbel(k, x.shape))(
+                jax.vmap(jax.random.fold_in, in_axes=(0, None))(key, d), q)
+        top = top_k(scores, tree.max_rank[d - 1])[1]  # [B, n_{d-1} or 1, k]
         parent_idx = tree.parents[level] - prev.start  # index inside the previous level
         if not heads.token_dependent:
             parent_idx = np.zeros_like(parent_idx)
@@ -82,7 +95,15 @@ def draft(base: Llama, heads: Heads, tree: Tree, context: jax.Array, root: jax.A
         tokens.append(new.astype(jnp.int32))
         parent_states = states[-1][:, tree.parents[level] - prev.start]
         states.append(heads.node_state(base, d, parent_states, new) if heads.token_dependent else parent_states)
-    return jnp.concatenate(tokens, axis=1)
+    return jnp.concatenate(tokens, axis=1), (None if sampling.greedy else dists)
+
+
+def path_to(tree: Tree, best: jax.Array) -> jax.Array:
+    """[B, D+1] node indices root..best by depth, padded with best past its depth."""
+    on_path = jnp.asarray(tree.ancestor_mask)[best]  # [B, N]
+    depth = jnp.asarray(tree.depth)
+    by_depth = on_path[:, None, :] & (depth[None, None, :] == jnp.arange(tree.max_depth + 1)[None, :, None])
+    return jnp.where(by_depth.any(-1), jnp.argmax(by_depth, -1), best[:, None])
 
 
 def accept_greedy(tree: Tree, tokens: jax.Array, logits: jax.Array):
@@ -97,12 +118,59 @@ def accept_greedy(tree: Tree, tokens: jax.Array, logits: jax.Array):
     score = jnp.where(accepted, jnp.asarray(tree.depth) + 1, 0)
     best = jnp.argmax(score, axis=-1)
     bonus = jnp.take_along_axis(target, best[:, None], axis=1)[:, 0]
-    # path[d] = the ancestor of `best` at depth d (or `best` itself past its depth).
-    on_path = anc[best]  # [B, N]
-    depth = jnp.asarray(tree.depth)
-    by_depth = on_path[:, None, :] & (depth[None, None, :] == jnp.arange(tree.max_depth + 1)[None, :, None])
-    path = jnp.where(by_depth.any(-1), jnp.argmax(by_depth, -1), best[:, None])
-    return best, bonus, path
+    return best, bonus, path_to(tree, best)
+
+
+def _normalise(x: jax.Array, fallback: jax.Array) -> jax.Array:
+    total = x.sum(-1, keepdims=True)
+    return jnp.where(total > 0, x / jnp.where(total > 0, total, 1.0), fallback)
+
+
+def accept_probability(p_token: jax.Array, q_token: jax.Array) -> jax.Array:
+    """The chance a drafted token is kept: min(1, p/q) (speculative sampling's rule)."""
+    return jnp.minimum(1.0, p_token / q_token)
+
+
+def accept_sample(tree: Tree, tokens: jax.Array, logits: jax.Array, dists: list, sampling: SamplingConfig,
+                  key: jax.Array):
+    """Speculative sampling on a tree; returns what `accept_greedy` returns, and the emitted tokens have
+    exactly the distribution plain sampling under `sampling` gives.
+
+    From the root, depth by depth: the current node's children are tested in draw order; child c (its
+    draw distribution q) is kept with probability min(1, p(c)/q(c)), p the base model's distribution at
+    the node. On a rejection p becomes the residual max(p - q, 0) renormalised and q loses c
+    (renormalised: the next child was drawn without replacement). A kept child becomes the current
+    node, with p its own base distribution; when no child is kept (or at a leaf) the walk stops and the
+    bonus token is drawn from p, residual included."""
+    b = tokens.shape[0]
+    rows = jnp.arange(b)
+    take = lambda x, idx: x[rows, idx]
+    uniform = lambda k, tag: jax.vmap(lambda kk: jax.random.uniform(jax.random.fold_in(kk, tag)))(k)
+    children = jnp.asarray(tree.children)
+    cur = jnp.zeros((b,), jnp.int32)
+    p = distribution(logits[:, 0], sampling)
+    active = jnp.ones((b,), bool)
+    for d in range(1, tree.max_depth + 1):
+        prev = tree.level(d - 1)
+        q_level = dists[d - 1]  # [B, n_{d-1} or 1, V]
+        q = take(q_level, jnp.clip(cur - prev.start, 0, q_level.shape[1] - 1))  # [B, V]
+        moved = jnp.zeros((b,), bool)
+        nxt = cur
+        for r in range(tree.max_rank[d - 1]):
+            child = children[cur, r] if r < children.shape[1] else jnp.full((b,), -1, jnp.int32)
+            tok = take(tokens, jnp.maximum(child, 0))
+            q_tok, p_tok = take(q, tok), take(p, tok)
+            test = active & ~moved & (child >= 0) & (q_tok > 0)
+            keep = test & (uniform(key, 1000 * d + r) < accept_probability(p_tok, q_tok))
+            nxt = jnp.where(keep, child, nxt)
+            moved = moved | keep
+            reject = (test & ~keep)[:, None]
+            p = jnp.where(reject, _normalise(jnp.maximum(p - q, 0.0), p), p)
+            q = jnp.where(reject, _normalise(q.at[rows, tok].set(0.0), jnp.zeros_like(q)), q)
+        p = jnp.where(moved[:, None], distribution(take(logits, nxt), sampling), p)
+        cur, active = nxt, active & moved
+    bonus = jax.vmap(lambda k, pr: jax.random.categorical(jax.random.fold_in(k, 999_999), jnp.log(pr)))(key, p)
+    return cur, bonus.astype(jnp.int32), path_to(tree, cur)
 
 
 def compact(cache: KVCache, path: jax.Array) -> KVCache:
@@ -134,18 +202,19 @@ def update_context(base, heads: Heads, aug_cache, hidden, hidden_normed, next_to
 
 
 def generate_speculative(graphdefs, params, prompts, prompt_lens, budgets, keys, *, tree: Tree,
-                         sampling: SamplingConfig, eos_ids: tuple[int, ...], max_new: int, cache_len: int):
+                         sampling: SamplingConfig, eos_ids: tuple[int, ...], max_new: int, cache_len: int,
+                         mesh=None):
     """Speculative generation as one pure function (jit with the keyword args static)."""
     base = nnx.merge(graphdefs[0], params[0])
     heads = nnx.merge(graphdefs[1], params[1])
     b = prompts.shape[0]
     depth = tree.max_depth
-    cache, hidden, hidden_normed, logits = prefill(base, prompts, prompt_lens, cache_len)
+    cache, hidden, hidden_normed, logits = prefill(base, prompts, prompt_lens, cache_len, mesh)
     root = sample(logits, step_keys(keys, 0), sampling)
     # The heads' context over the prompt: position t is paired with token t+1 (the root for the last).
     next_tokens = jnp.concatenate([prompts[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
     next_tokens = next_tokens.at[jnp.arange(b), prompt_lens - 1].set(root)
-    aug_cache = heads.init_aug_cache(b, cache_len, base.dtype)
+    aug_cache = constrain_cache(heads.init_aug_cache(b, cache_len, base.dtype), mesh)
     context, aug_cache = update_context(base, heads, aug_cache, hidden, hidden_normed, next_tokens, prompt_lens)
 
     state = SpecState(
@@ -161,11 +230,15 @@ def generate_speculative(graphdefs, params, prompts, prompt_lens, budgets, keys,
         return (s.step < max_new) & ~jnp.all(s.done)
 
     def body(s: SpecState):
-        tokens = draft(base, heads, tree, s.context, s.root)  # [B, N]
+        key = step_keys(s.keys, s.step + 1)
+        tokens, dists = draft(base, heads, tree, s.context, s.root, sampling, key)  # [B, N]
         c = s.cache
         positions = c.lengths[:, None] + node_depth[None, :]
         out = base(tokens, positions, tree_mask(c.lengths, ancestors, cache_len), c)
-        best, bonus, path = accept_greedy(tree, tokens, out.logits)
+        if sampling.greedy:
+            best, bonus, path = accept_greedy(tree, tokens, out.logits)
+        else:
+            best, bonus, path = accept_sample(tree, tokens, out.logits, dists, sampling, key)
         accepted = node_depth[best]  # drafted tokens accepted, per sequence
         count = accepted + 1  # tokens committed to the cache (root + accepted) = tokens emitted
         live = ~s.done
@@ -191,10 +264,12 @@ def generate_speculative(graphdefs, params, prompts, prompt_lens, budgets, keys,
 
 
 class SpeculativeGenerator(Generator):
-    """`Generator` with draft heads and a static tree; greedy decoding (sampling comes with issue 8)."""
+    """`Generator` with draft heads and a static tree; greedy decoding or lossless speculative sampling."""
 
     def __init__(self, model: Llama, heads: Heads, tree: Tree, **kwargs):
         super().__init__(model, **kwargs)
+        if self.mesh is not None:
+            shard_module(heads, self.mesh)
         if tree.max_depth > heads.num_heads:
             raise CloverError(f"tree depth {tree.max_depth} exceeds the {heads.num_heads} draft heads; "
                               "pick a shallower tree")
@@ -212,9 +287,3 @@ class SpeculativeGenerator(Generator):
 
     def _slack(self) -> int:
         return self.tree.num_nodes + self.tree.max_depth + 1
-
-    def generate(self, prompts, max_new_tokens, sampling: SamplingConfig = SamplingConfig(), **kwargs):
-        if not sampling.greedy:
-            raise CloverError("speculative sampling (temperature > 0) is not available yet; use "
-                              "--temperature 0 or --method plain")
-        return super().generate(prompts, max_new_tokens, sampling, **kwargs)

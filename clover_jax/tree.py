@@ -89,7 +89,11 @@ class Tree:
         return self.retrieve.shape[0]
 
     def level(self, d: int) -> slice:
-        """The contiguous node range of depth d (1..D), as a static slice."""
+        """The contiguous node range of depth d (0 = the root .. D), as a static slice."""
+        if not 0 <= d <= self.max_depth:
+            raise ValueError(f"depth {d} outside 0..{self.max_depth}")
+        if d == 0:
+            return slice(0, 1)
         nodes = self.depth_nodes[d - 1]
         return slice(int(nodes[0]), int(nodes[-1]) + 1)
 

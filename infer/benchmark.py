@@ -19,6 +19,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -135,7 +136,8 @@ def _configs(specs: list[str], methods: list[str]) -> list[tuple[str, str | None
 
 
 def label(method: str, tree: str | None) -> str:
-    return method if method == "plain" else f"{method} {tree or 'default'}"
+    """A row's name: the method, and for a speculative one its tree."""
+    return method if method == "plain" or method.startswith("hf-") else f"{method} {tree or 'default'}"
 
 
 # ------------------------------------------------------------------------------------------ measuring
@@ -323,6 +325,7 @@ def format_table(rows: list[Row]) -> str:
 
 def plot(rows: list[Row], out: str) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -348,6 +351,7 @@ def plot(rows: list[Row], out: str) -> None:
                          label=label(r.method, r.tree))
     axes[2].set_title(f"steps accepting >= d drafted tokens (batch {sizes[0]})")
     axes[2].set_xlabel("depth d")
+    axes[2].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     axes[2].set_ylim(0, 1)
     axes[2].legend()
     fig.tight_layout()
@@ -455,7 +459,7 @@ def _benchmark(args: argparse.Namespace) -> int:
               "machine": machine_info(bandwidth),
               "settings": dict(model=str(path), prompts=str(prompt_file), num_prompts=len(prompts),
                                max_new_tokens=args.max_new_tokens, repeats=args.repeats, dtype=args.dtype,
-                               command=" ".join(sys.argv))}
+                               command=args.command)}
     if args.json:
         _write_json(result, args.json)
     if args.plot:
@@ -465,6 +469,7 @@ def _benchmark(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.command = "python -m infer.benchmark " + shlex.join(sys.argv[1:] if argv is None else argv)
     return cli.run_main(lambda: _benchmark(args))
 
 

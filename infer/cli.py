@@ -147,3 +147,23 @@ def batches(items: Sequence, size: int) -> list[Sequence]:
     if size < 1:
         raise CloverError(f"--batch-size {size} must be >= 1")
     return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def add_distributed_flags(p) -> None:
+    """Flags of a multi-process run (one process per host, or several on one machine)."""
+    g = p.add_argument_group("multi-process (jax.distributed; also read from JAX's environment variables)")
+    g.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0's coordinator service")
+    g.add_argument("--num-processes", type=int, metavar="N", help="processes taking part")
+    g.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0..N-1")
+
+
+def init_distributed(args) -> None:
+    """Start jax.distributed when flags ask for it; on CPU the collectives go over gloo."""
+    if args.coordinator is None and args.num_processes is None and args.process_id is None:
+        return
+    if None in (args.coordinator, args.num_processes, args.process_id):
+        raise CloverError("--coordinator, --num-processes and --process-id go together")
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)

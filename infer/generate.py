@@ -22,6 +22,7 @@ from clover_jax.errors import CloverError
 from clover_jax.heads import DEFAULT_NUM_HEADS, METHODS as HEAD_METHODS, HeadsConfig, make_heads
 from clover_jax.model import Llama
 from clover_jax.sampling import SamplingConfig
+from clover_jax.sharding import make_mesh
 from clover_jax.speculative import SpeculativeGenerator
 from clover_jax.tree import resolve_tree
 from infer import cli
@@ -91,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the model's max_position_embeddings)")
     p.add_argument("--batch-size", type=int, default=8, metavar="N",
                    help="prompts of --prompts generated together in one batch (default: %(default)s)")
+    p.add_argument("--mesh", metavar="SPEC",
+                   help="shard over devices: axis=size pairs over data, fsdp and model, e.g. data=2,model=4 "
+                        "(the sizes multiply to the device count; default: one device)")
+    cli.add_distributed_flags(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per prompt (prompt, text, tokens, num_tokens) instead of text "
                         "separated by '---' lines")
@@ -98,13 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_generator(model: Llama, method: str, *, model_path, heads: str | None = None, tree: str | None = None,
-                   num_heads: int | None = None, max_len: int | None = None, seed: int = 0) -> Generator:
+                   num_heads: int | None = None, max_len: int | None = None, seed: int = 0,
+                   mesh=None) -> Generator:
     """The generator for `method`: plain, or a speculative one with its heads (a directory, "random",
     or None for the ones shipped beside the model) and its tree (a spec; None for the method's default)."""
     if max_len is not None and max_len < 2:
         raise CloverError(f"--max-len {max_len} must be >= 2 (a prompt token plus a new one)")
     if method == "plain":
-        return Generator(model, max_len=max_len)
+        return Generator(model, max_len=max_len, mesh=mesh)
     if heads == "random":
         draft = make_heads(HeadsConfig(method, num_heads or DEFAULT_NUM_HEADS[method]), model, seed=seed)
     else:
@@ -113,7 +119,8 @@ def make_generator(model: Llama, method: str, *, model_path, heads: str | None =
             raise CloverError(f"no {method} heads at {shipped}; pass --heads DIR, or --heads random "
                               "for untrained heads")
         draft = load_heads(heads or shipped, model, method)
-    return SpeculativeGenerator(model, draft, resolve_tree(tree, method, draft.num_heads), max_len=max_len)
+    return SpeculativeGenerator(model, draft, resolve_tree(tree, method, draft.num_heads), max_len=max_len,
+                                mesh=mesh)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -126,9 +133,11 @@ def _generate(args: argparse.Namespace) -> int:
     eos = cli.eos_ids(path, cfg, tokenizer)
     groups = cli.batches(list(range(len(prompts))), args.batch_size)
 
-    _, model = load_pretrained(path, dtype=DTYPES[args.dtype])
+    cli.init_distributed(args)
+    mesh = make_mesh(args.mesh) if args.mesh else None
+    _, model = load_pretrained(path, dtype=DTYPES[args.dtype], mesh=mesh)
     generator = make_generator(model, args.method, model_path=args.model, heads=args.heads, tree=args.tree,
-                               num_heads=args.num_heads, max_len=args.max_len, seed=args.seed)
+                               num_heads=args.num_heads, max_len=args.max_len, seed=args.seed, mesh=mesh)
     new_tokens = steps = 0
     seq_steps = 0
     compile_s = run_s = 0.0

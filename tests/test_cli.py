@@ -24,7 +24,7 @@ from train import tokenizer as tokenizer_lib
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FLAGS = ("--model", "--prompt", "--prompts", "--chat", "--method", "--max-new-tokens", "--temperature",
          "--top-p", "--top-k", "--seed", "--dtype", "--max-len", "--batch-size", "--json",
-         "--heads", "--tree", "--num-heads")
+         "--heads", "--tree", "--num-heads", "--mesh", "--coordinator", "--num-processes", "--process-id")
 STATS = re.compile(r"^\[(plain|medusa|clover|clover2)\] new_tokens=\d+ steps=\d+ tau=[\d.]+ tokens/s=[\d.]+ "
                    r"compile=[\d.]+s run=[\d.]+s$")
 TEXTS = ["def add(a, b):\n    return a + b\n", "class Point:\n    def __init__(self, x):\n        self.x = x\n",

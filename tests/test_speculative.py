@@ -346,8 +346,13 @@ def test_tree_deeper_than_heads_is_refused(ref):
     assert_one_line(e)
 
 
-def test_sampling_is_refused(ref, oracle):
+def test_speculative_sampling_rows_are_independent_and_seeded(ref, oracle):
+    """Each row samples with its own key: reproducible per seed, unchanged by what the other rows hold
+    (their acceptances differ), different across seeds. Exactness is tests/test_spec_sampling.py's."""
     _, gen = oracle
-    with pytest.raises(CloverError, match="temperature") as e:
-        gen.generate(PROMPTS, 4, SamplingConfig(temperature=0.8))
-    assert_one_line(e)
+    hot = SamplingConfig(temperature=1.0)
+    a = gen.generate(PROMPTS, 8, hot, seed=3, eos_ids=()).tokens
+    assert gen.generate(PROMPTS, 8, hot, seed=3, eos_ids=()).tokens == a
+    other = gen.generate([PROMPTS[0]] + [[5, 6, 7]] * (len(PROMPTS) - 1), 8, hot, seed=3, eos_ids=()).tokens
+    assert other[0] == a[0]
+    assert gen.generate(PROMPTS, 8, hot, seed=4, eos_ids=()).tokens != a

@@ -66,7 +66,7 @@ def test_small_tree_literal_arrays():
     )  # fmt: skip
     np.testing.assert_array_equal(t.retrieve, [[0, 1, 4, -1], [0, 2, 5, -1], [0, 1, 3, 6]])
     assert [d.tolist() for d in t.depth_nodes] == [[1, 2], [3, 4, 5], [6]]
-    assert t.level(2) == slice(3, 6)
+    assert t.level(2) == slice(3, 6) and t.level(0) == slice(0, 1)
     assert t.max_rank == (2, 2, 1)
     np.testing.assert_array_equal(t.num_children, [2, 2, 1, 1, 0, 0, 0])
     np.testing.assert_array_equal(t.children, [[1, 2], [3, 4], [5, -1], [6, -1], [-1, -1], [-1, -1], [-1, -1]])

@@ -1,0 +1,44 @@
+"""Run by tests/test_sharding.py in a fresh process with 8 virtual CPU devices (XLA_FLAGS must be set
+before JAX starts): greedy plain and speculative generation on several meshes, printed as JSON."""
+
+import json
+import sys
+
+import jax
+from flax import nnx
+
+from clover_jax.config import ModelConfig
+from clover_jax.decode import Generator
+from clover_jax.heads import HeadsConfig, make_heads
+from clover_jax.model import Llama
+from clover_jax.sharding import make_mesh
+from clover_jax.speculative import SpeculativeGenerator
+from clover_jax.tree import resolve_tree
+
+CFG = ModelConfig.tiny(num_heads=8, num_kv_heads=8, head_dim=4, vocab_size=64)
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14], [15], [16, 17], [18, 19, 20], [21, 22]]
+
+
+def build(mesh_spec):
+    base = Llama(CFG, rngs=nnx.Rngs(0))
+    heads = make_heads(HeadsConfig("clover2", 3), base, seed=1)
+    mesh = None if mesh_spec is None else make_mesh(mesh_spec)
+    return base, heads, mesh
+
+
+def run(mesh_spec):
+    base, heads, mesh = build(mesh_spec)
+    plain = Generator(base, mesh=mesh).generate(PROMPTS, 8, eos_ids=()).tokens
+    spec_gen = SpeculativeGenerator(base, heads, resolve_tree("widths:2,2,1", "clover2", 3), mesh=mesh)
+    out = spec_gen.generate(PROMPTS, 8, eos_ids=())
+    info = {}
+    if mesh is not None:
+        kernel = base.layers[0].mlp.gate_proj.kernel.get_value()
+        info = {"gate_proj": str(kernel.sharding.spec), "gate_proj_shards": len({str(s.index) for s in kernel.addressable_shards}),
+                "cache": str(out.state.cache.k[0].sharding.spec), "aug_cache": str(out.state.aug_cache.k[0].sharding.spec)}
+    return {"plain": plain, "speculative": out.tokens, **info}
+
+
+if __name__ == "__main__":
+    assert jax.device_count() == 8, jax.device_count()
+    print(json.dumps({str(m): run(m) for m in [None] + sys.argv[1:]}))

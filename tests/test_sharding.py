@@ -1,0 +1,94 @@
+"""Sharding: the mesh spec and rule table, and sharded generation giving the single-device tokens on 8
+virtual CPU devices (a fresh process: the device count is fixed when JAX starts)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec
+
+from clover_jax.errors import CloverError
+from clover_jax.sharding import make_mesh, parse_mesh, spec_for
+from conftest import assert_one_line
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def sharded_results():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(HERE / "sharded_run.py"), "data=1,model=8", "data=2,model=4",
+                           "data=8,model=1", "fsdp=2,model=4"],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=HERE.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("mesh", ["data=1,model=8", "data=2,model=4", "data=8,model=1", "fsdp=2,model=4"])
+def test_sharded_generation_matches_one_device(sharded_results, mesh):
+    one, sharded = sharded_results["None"], sharded_results[mesh]
+    assert sharded["plain"] == one["plain"]
+    assert sharded["speculative"] == one["speculative"] == one["plain"]
+
+
+def test_params_and_caches_really_are_sharded(sharded_results):
+    r = sharded_results["data=2,model=4"]
+    assert r["gate_proj"] == str(PartitionSpec(None, "model")) and r["gate_proj_shards"] == 4
+    assert r["cache"] == str(PartitionSpec("data", "model")) == r["aug_cache"]
+    assert sharded_results["fsdp=2,model=4"]["gate_proj"] == str(PartitionSpec("fsdp", "model"))
+    assert sharded_results["data=8,model=1"]["cache"] == str(PartitionSpec("data"))
+
+
+def test_mesh_spec_parsing_and_errors():
+    assert parse_mesh("data=2,model=4") == {"data": 2, "model": 4}
+    assert parse_mesh(None) == {"data": jax.device_count()}
+    for bad, msg in [("data:2", "axis=size"), ("tensor=2", "axis=size"), ("data=two", "not an integer"),
+                     ("data=0", "size >= 1"), ("data=1,data=1", "each axis once")]:
+        with pytest.raises(CloverError, match=msg) as e:
+            parse_mesh(bad)
+        assert_one_line(e)
+    with pytest.raises(CloverError, match="needs 8 devices") as e:
+        make_mesh("data=2,model=4")
+    assert_one_line(e)
+
+
+def test_a_mesh_that_does_not_divide_the_model_is_one_clear_line():
+    """3 kv heads over model=2: the rule table refuses with the axis and sizes named."""
+    mesh = make_mesh("data=1", jax.devices()[:1])
+    assert spec_for(("embed", "kv_heads"), (32, 24), mesh) == PartitionSpec(None, None)
+
+    class Fake:  # a 2-wide model axis, without needing two devices
+        shape = {"data": 1, "fsdp": 1, "model": 2}
+
+    with pytest.raises(CloverError, match=r"kv_heads axis \(3\) does not divide over mesh axes model=2") as e:
+        spec_for(("embed", "kv_heads"), (32, 3), Fake(), "layers.0.self_attn.k_proj.kernel")
+    assert_one_line(e)
+    assert spec_for(("embed", "kv_heads"), (32, 4), Fake()) == PartitionSpec(None, "model")
+
+
+def test_two_processes_generate_the_single_process_tokens(sharded_results):
+    """jax.distributed on localhost: two processes of 2 CPU devices each, one data=2,model=2 mesh."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    procs = [subprocess.Popen([sys.executable, str(HERE / "multiprocess_run.py"), str(i), str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=HERE.parent)
+             for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    one = sharded_results["None"]
+    for out, _ in outs:
+        r = json.loads(out.strip().splitlines()[-1])
+        assert r["plain"] == one["plain"] and r["speculative"] == one["speculative"]
