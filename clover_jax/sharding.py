@@ -107,6 +107,14 @@ def shard_module(module: nnx.Module, mesh: Mesh) -> nnx.Module:
     return module
 
 
+def onto_mesh(tree, mesh: Mesh):
+    """Replicate over `mesh` every array of `tree` that is not on it yet (an optimizer's step count, a
+    scalar orbax restored to one device), so one jitted step can take them all."""
+    devices = set(mesh.devices.flat)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.tree.map(lambda x: x if set(x.sharding.device_set) == devices else jax.device_put(x, replicated), tree)
+
+
 def cache_sharding(mesh: Mesh, batch: int, num_kv_heads: int, max_len: int, head_dim: int) -> NamedSharding:
     return NamedSharding(mesh, spec_for(CACHE_AXES, (batch, num_kv_heads, max_len, head_dim), mesh, "KV cache"))
 

@@ -11,6 +11,10 @@ import contextlib
 import hashlib
 import io
 import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +23,7 @@ import orbax.checkpoint as ocp
 import pytest
 import torch
 from flax import nnx
+from safetensors.numpy import load_file
 
 from clover_jax.checkpoint import load_heads
 from clover_jax.convert import load_pretrained
@@ -33,6 +38,7 @@ from train.data import HeadDataset
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "class Point:\n    def __init__(self, x):\n        self.x = x\n",
          "import os\nprint(os.getcwd())\n", "for i in range(10):\n    print(i)\n"] * 4
+REPO = pathlib.Path(__file__).resolve().parents[1]
 RECORDS = [{"prompt": p, "response": r * n} for n in (1, 2, 3)
            for p, r in [("def add(a, b):", "\n    return a + b\n"), ("class Point:", "\n    def __init__(self, x):\n"),
                         ("import os", "\nprint(os.getcwd())\n"), ("for i in", " range(10):\n    print(i)\n")]]
@@ -412,3 +418,19 @@ def test_exported_heads_drive_generation(trained, model_dir, capsys):
         stdout, err = capsys.readouterr()
         assert (code, stdout) == (0, plain), err
         assert err.startswith(f"[{method}]"), err
+
+
+def test_sharded_training_matches_and_resumes_on_another_mesh(model_dir, datasets, tmp_path):
+    """8 virtual CPU devices, in a fresh process (the device count is fixed when JAX starts): Clover-2
+    heads trained on a data=4,model=2 mesh equal the one-device run, and so does a run stopped on that
+    mesh and resumed from its orbax checkpoint on data=2,fsdp=2,model=2."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "sharded_train_run.py"), str(model_dir),
+                           str(datasets["hidden"]), str(tmp_path)], capture_output=True, text=True, env=env,
+                          timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    heads = {name: load_file(tmp_path / name / "heads.safetensors") for name in ("one", "sharded", "resumed")}
+    assert heads["one"].keys() == heads["sharded"].keys() == heads["resumed"].keys()
+    for name in ("sharded", "resumed"):
+        for key, value in heads["one"].items():
+            np.testing.assert_allclose(heads[name][key], value, atol=2e-5, rtol=1e-4, err_msg=f"{name}: {key}")

@@ -30,6 +30,7 @@ from clover_jax.errors import CloverError
 from infer import cli
 from clover_jax.heads import DEFAULT_NUM_HEADS, METHODS, Heads, HeadsConfig, make_heads
 from clover_jax.model import Llama, causal_self_mask
+from clover_jax.sharding import batch_sharding, make_mesh, onto_mesh, shard_module
 from train import losses
 from train.data import HeadDataset
 from train.runs import MetricsLog, pin_run, restore_latest
@@ -104,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "0 = run to --steps")
     p.add_argument("--max-minutes", type=float, default=0,
                    help="stop cleanly (checkpoint, no export) after this many minutes; 0 = no limit")
+    p.add_argument("--mesh", metavar="SPEC",
+                   help="shard base, heads, optimizer state and batches over devices, e.g. data=4,model=2 "
+                        "(axes data, fsdp, model; a resumed run may use another mesh)")
+    cli.add_distributed_flags(p)
     return p
 
 
@@ -117,7 +122,9 @@ def run(args) -> int:
         if getattr(args, name) < 1:
             raise CloverError(f"--{name.replace('_', '-')} must be >= 1")
     dtype = DTYPES[args.dtype]
-    _, base = load_pretrained(args.base, dtype=dtype)
+    cli.init_distributed(args)
+    mesh = make_mesh(args.mesh) if args.mesh else None
+    _, base = load_pretrained(args.base, dtype=dtype, mesh=mesh)
     data = HeadDataset(args.data)
     data.check_base(base)
     data.check_vocab(base.cfg.vocab_size)
@@ -129,10 +136,12 @@ def run(args) -> int:
     heads = make_heads(hcfg, base, seed=args.seed)
     # Float32 master weights; the forward casts them to the activations' dtype.
     nnx.update(heads, jax.tree.map(lambda x: x.astype(jnp.float32), nnx.state(heads, nnx.Param)))
+    if mesh is not None:
+        shard_module(heads, mesh)
     head_graphdef, params = nnx.split(heads)
     base_graphdef, base_params = nnx.split(base)
     optimizer = make_optimizer(args)
-    opt_state = optimizer.init(params)
+    opt_state = jax.jit(optimizer.init)(params)  # moments placed like the parameters they follow
 
     work = Path(args.work_dir or Path(args.out).parent / f"run-{args.method}").resolve()
     last = ocp.CheckpointManager(work / "checkpoints", options=ocp.CheckpointManagerOptions(max_to_keep=args.keep))
@@ -142,8 +151,12 @@ def run(args) -> int:
                    "base": str(Path(args.base).resolve()), "data": str(Path(args.data).resolve())})
     if last.latest_step() is not None and not args.resume:
         raise CloverError(f"{work} already holds checkpoints; pass --resume to continue, or another --work-dir")
+    if mesh is not None:
+        opt_state = onto_mesh(opt_state, mesh)
     start, restored = restore_latest(last, {"params": params, "opt_state": opt_state})
     params, opt_state = restored["params"], restored["opt_state"]
+    if mesh is not None:
+        params, opt_state = onto_mesh((params, opt_state), mesh)
     if start:
         print(f"resumed from step {start} in {work}", file=sys.stderr)
 
@@ -159,7 +172,11 @@ def run(args) -> int:
     evaluate = jax.jit(lambda p, bp, batch: loss_on(p, bp, batch)[1])
 
     def to_device(batch):
-        return {k: jnp.asarray(v) for k, v in batch.items() if v is not None}
+        if mesh is None:
+            return {k: jnp.asarray(v) for k, v in batch.items() if v is not None}
+        # Every process computes the whole batch (a function of the step); each device takes its rows.
+        return {k: jax.make_array_from_callback(v.shape, batch_sharding(mesh, v.shape), lambda i, v=v: v[i])
+                for k, v in batch.items() if v is not None}
 
     def held_out(step):
         sums, n = None, 0
