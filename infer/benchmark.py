@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -36,6 +37,7 @@ from clover_jax.convert import load_pretrained
 from clover_jax.decode import Generator, bucket_for
 from clover_jax.errors import CloverError
 from clover_jax.model import Llama
+from clover_jax.sharding import make_mesh, param_sharding
 from infer import cli
 from infer.generate import DTYPES, METHODS, make_generator
 
@@ -102,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time plain and speculative steps of this architecture with random weights (bfloat16; "
                         "meant for an accelerator) and project speedup = tau (reference model) x plain step / spec step")
     p.add_argument("--shape-layers", type=int, metavar="L", help="with --shape: keep only the first L layers (a quicker, smaller run)")
+    p.add_argument("--mesh", metavar="SPEC", help="shard the engine over devices, e.g. data=2,model=4 (default: one device)")
     p.add_argument("--json", metavar="OUT", help="write the results as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="write a PNG: speedup and tau per method, acceptance per depth")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of random heads and random --shape weights (default: %(default)s)")
@@ -255,7 +258,7 @@ def run_hf(path: Path, prompts: list[list[int]], batch_size: int, max_new: int, 
 
 
 def shape_step_times(shape: str, layers: int | None, configs: list[tuple[str, str | None]], batch_size: int,
-                     max_new: int, seed: int, progress) -> dict[str, dict]:
+                     max_new: int, seed: int, progress, mesh=None) -> dict[str, dict]:
     """Plain and speculative step latency of a real architecture with random bfloat16 weights and random
     heads (acceptance is irrelevant here: a step costs the same whatever it accepts)."""
     from clover_jax.heads import DEFAULT_NUM_HEADS, HeadsConfig, make_heads
@@ -268,9 +271,14 @@ def shape_step_times(shape: str, layers: int | None, configs: list[tuple[str, st
     cfg = ModelConfig.from_hf_dict(fields)
     model = nnx.eval_shape(lambda: Llama(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(seed)))
     graphdef, abstract = nnx.split(model)
-    keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(abstract))))
-    params = jax.tree.map(lambda a: (0.02 * jax.random.normal(next(keys), a.shape, jnp.float32)).astype(a.dtype),
-                          abstract)
+    counter = itertools.count()
+
+    def init(path, var):  # drawn on (and, with a mesh, straight into the shards of) the devices
+        a, key = var.get_value(), jax.random.fold_in(jax.random.key(seed), next(counter))
+        draw = lambda: (0.02 * jax.random.normal(key, a.shape, jnp.float32)).astype(a.dtype)
+        return var.replace(jax.jit(draw, out_shardings=param_sharding(path, var, mesh) if mesh else None)())
+
+    params = nnx.map_state(init, abstract)
     model = nnx.merge(graphdef, params)
     prompt_len = 128
     rng = np.random.default_rng(seed)
@@ -278,11 +286,11 @@ def shape_step_times(shape: str, layers: int | None, configs: list[tuple[str, st
     out = {}
     for method, tree in configs:
         if method == "plain":
-            gen = Generator(model, max_len=prompt_len + max_new)
+            gen = Generator(model, max_len=prompt_len + max_new, mesh=mesh)
         else:
             heads = make_heads(HeadsConfig(method, DEFAULT_NUM_HEADS[method]), model, seed=seed)
             gen = SpeculativeGenerator(model, heads, resolve_tree(tree, method, heads.num_heads),
-                                       max_len=prompt_len + max_new)
+                                       max_len=prompt_len + max_new, mesh=mesh)
         gen.generate(prompts, max_new, eos_ids=())  # compile
         times = []
         for _ in range(3):
@@ -389,7 +397,8 @@ def _benchmark(args: argparse.Namespace) -> int:
         raise CloverError(f"no prompts file at {prompt_file}; pass --prompts FILE")
     texts = cli.read_prompts(prompt_file)[: args.num_prompts]
     prompts = [cli.encode(tokenizer, t, bos_id=cfg.bos_token_id) for t in texts]
-    _, model = load_pretrained(path, dtype=DTYPES[args.dtype])
+    mesh = make_mesh(args.mesh) if args.mesh else None
+    _, model = load_pretrained(path, dtype=DTYPES[args.dtype], mesh=mesh)
     heads_root = Path(args.heads_root) if args.heads_root else path / "heads"
 
     bandwidth = measure_bandwidth()
@@ -404,7 +413,8 @@ def _benchmark(args: argparse.Namespace) -> int:
             for method, spec in configs:
                 progress.set_postfix_str(f"{label(method, spec)}, batch {b}")
                 heads = None if method == "plain" else str(heads_root / method)
-                gen = make_generator(model, method, model_path=path, heads=heads, tree=spec, seed=args.seed)
+                gen = make_generator(model, method, model_path=path, heads=heads, tree=spec, seed=args.seed,
+                                     mesh=mesh)
                 stats, tokens = run_engine(gen, prompts, b, args.max_new_tokens, args.repeats, progress)
                 tree = getattr(gen, "tree", None)
                 row = Row(method=method, batch_size=b, tree="" if method == "plain" else spec or "default",
@@ -427,7 +437,7 @@ def _benchmark(args: argparse.Namespace) -> int:
         if args.shape:
             progress.set_postfix_str(f"--shape {args.shape}")
             shape = shape_step_times(args.shape, args.shape_layers, configs, sizes[0], args.max_new_tokens,
-                                     args.seed, progress)
+                                     args.seed, progress, mesh)
             plain_ms = shape["methods"]["plain"]["step_ms"]
             tau = {label(r.method, r.tree): r.tau for r in rows if r.batch_size == sizes[0]}
             for m, s in shape["methods"].items():
@@ -459,6 +469,7 @@ def _benchmark(args: argparse.Namespace) -> int:
               "machine": machine_info(bandwidth),
               "settings": dict(model=str(path), prompts=str(prompt_file), num_prompts=len(prompts),
                                max_new_tokens=args.max_new_tokens, repeats=args.repeats, dtype=args.dtype,
+                               mesh=args.mesh,
                                command=args.command)}
     if args.json:
         _write_json(result, args.json)
