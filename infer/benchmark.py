@@ -37,6 +37,7 @@ from clover_jax.convert import load_pretrained
 from clover_jax.decode import Generator, bucket_for
 from clover_jax.errors import CloverError
 from clover_jax.model import Llama
+from clover_jax.sampling import SamplingConfig
 from clover_jax.sharding import make_mesh, param_sharding
 from infer import cli
 from infer.generate import DTYPES, METHODS, make_generator
@@ -67,6 +68,7 @@ class Row:
     method: str
     batch_size: int
     tree: str = ""
+    temperature: float = 0.0
     tree_nodes: int = 1
     tau: float | None = 1.0  # None for the transformers rows (their steps are not ours to count)
     accept_per_depth: list[float] = dataclasses.field(default_factory=list)
@@ -97,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=24, metavar="N", help="first N prompts of the file (default: %(default)s)")
     p.add_argument("--batch-sizes", default="1,8", metavar="LIST", help="comma-separated batch sizes (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=96, metavar="N", help="tokens generated per prompt (default: %(default)s)")
+    p.add_argument("--temperatures", default="0", metavar="LIST",
+                   help="comma-separated sampling temperatures, 0 = greedy (default: %(default)s); speculative "
+                        "sampling is lossless, so tau at 1 against 0 shows what sampling costs the drafts")
     p.add_argument("--repeats", type=int, default=3, metavar="R", help="timed passes over the prompts; medians are reported (default: %(default)s)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="dtype of weights and activations (default: %(default)s)")
     p.add_argument("--hf", action="store_true", help="also run Hugging Face transformers generate (PyTorch) on the same model and prompts")
@@ -121,6 +126,16 @@ def _int_list(text: str, flag: str) -> list[int]:
     return values
 
 
+def _float_list(text: str, flag: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise CloverError(f"{flag} {text!r}: expected comma-separated numbers such as 0,1") from None
+    if not values or any(not v >= 0 for v in values):
+        raise CloverError(f"{flag} {text!r}: give one or more numbers >= 0")
+    return values
+
+
 def _configs(specs: list[str], methods: list[str]) -> list[tuple[str, str | None]]:
     """(method, tree spec) pairs to measure: plain once, each speculative method once per tree given for
     it (`SPEC` applies to every method, `METHOD=SPEC` to one; `default` or none: the method's own)."""
@@ -138,9 +153,10 @@ def _configs(specs: list[str], methods: list[str]) -> list[tuple[str, str | None
     return [("plain", None)] + [(m, t) for m, ts in trees.items() for t in (list(dict.fromkeys(ts)) or [None])]
 
 
-def label(method: str, tree: str | None) -> str:
-    """A row's name: the method, and for a speculative one its tree."""
-    return method if method == "plain" or method.startswith("hf-") else f"{method} {tree or 'default'}"
+def label(method: str, tree: str | None, temperature: float = 0.0) -> str:
+    """A row's name: the method, for a speculative one its tree, and a temperature other than 0."""
+    name = method if method == "plain" or method.startswith("hf-") else f"{method} {tree or 'default'}"
+    return name if not temperature else f"{name} T={temperature:g}"
 
 
 # ------------------------------------------------------------------------------------------ measuring
@@ -168,7 +184,8 @@ def _padded_batches(prompts: list[list[int]], size: int):
 
 
 def run_engine(generator: Generator, prompts: list[list[int]], batch_size: int, max_new: int,
-               repeats: int, progress) -> tuple[dict, list[list[int]]]:
+               repeats: int, progress, sampling: SamplingConfig = SamplingConfig(),
+               seed: int = 0) -> tuple[dict, list[list[int]]]:
     """Warm-up pass (compiles every bucket), then `repeats` timed passes. Returns statistics and tokens."""
     buckets = {bucket_for(max(len(p) for p in group), generator.buckets)
                for group, _ in _padded_batches(prompts, batch_size)}
@@ -176,8 +193,9 @@ def run_engine(generator: Generator, prompts: list[list[int]], batch_size: int, 
     seconds, steps, seq_steps, hist = [], 0, 0, None
     for rep in range(repeats + 1):
         run_s = 0.0
-        for group, real in _padded_batches(prompts, batch_size):
-            out = generator.generate(group, max_new, eos_ids=(), budgets=[max_new] * real + [0] * (len(group) - real))
+        for k, (group, real) in enumerate(_padded_batches(prompts, batch_size)):
+            out = generator.generate(group, max_new, sampling, seed=seed + k, eos_ids=(),
+                                     budgets=[max_new] * real + [0] * (len(group) - real))
             progress.update(1)
             if rep == 0:
                 compile_s += out.compile_seconds
@@ -326,7 +344,8 @@ def format_table(rows: list[Row]) -> str:
         step = f"{r.step_ms:.2f}" if r.step_ms else "-"
         comp = f"{r.compile_s:.1f}" if r.buckets else "-"
         tau = "-" if r.tau is None else f"{r.tau:.2f}"
-        lines.append(f"{r.method:<17}{r.batch_size:>5} {tree:<22}{tau:>6}{r.tokens_per_s:>9.1f}{r.speedup:>7.2f}x"
+        name = r.method if not r.temperature else f"{r.method} T={r.temperature:g}"
+        lines.append(f"{name:<17}{r.batch_size:>5} {tree:<22}{tau:>6}{r.tokens_per_s:>9.1f}{r.speedup:>7.2f}x"
                      f"{step:>9}{comp:>10}{compiles:>9}  {' '.join(f'{a:.2f}' for a in r.accept_per_depth)}{same}")
     return "\n".join(lines)
 
@@ -338,12 +357,12 @@ def plot(rows: list[Row], out: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(dict.fromkeys(label(r.method, r.tree) for r in rows))
+    names = list(dict.fromkeys(label(r.method, r.tree, r.temperature) for r in rows))
     sizes = sorted({r.batch_size for r in rows})
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     width = 0.8 / len(sizes)
     for k, b in enumerate(sizes):
-        by = {label(r.method, r.tree): r for r in rows if r.batch_size == b}
+        by = {label(r.method, r.tree, r.temperature): r for r in rows if r.batch_size == b}
         xs = np.arange(len(names)) + k * width
         axes[0].bar(xs, [by[m].speedup if m in by else 0 for m in names], width, label=f"batch {b}")
         axes[1].bar(xs, [(by[m].tau or 0) if m in by else 0 for m in names], width, label=f"batch {b}")
@@ -356,7 +375,7 @@ def plot(rows: list[Row], out: str) -> None:
     for r in rows:
         if r.accept_per_depth and r.batch_size == sizes[0]:
             axes[2].plot(range(1, len(r.accept_per_depth) + 1), r.accept_per_depth, marker="o",
-                         label=label(r.method, r.tree))
+                         label=label(r.method, r.tree, r.temperature))
     axes[2].set_title(f"steps accepting >= d drafted tokens (batch {sizes[0]})")
     axes[2].set_xlabel("depth d")
     axes[2].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
@@ -404,42 +423,50 @@ def _benchmark(args: argparse.Namespace) -> int:
     bandwidth = measure_bandwidth()
     per_size = {b: -(-len(prompts) // b) * (args.repeats + 1) for b in sizes}  # batches per method and size
     hf_passes = sum(n * (2 if b == 1 else 1) for b, n in per_size.items()) if args.hf else 0
-    total = sum(per_size.values()) * len(configs) + hf_passes + (len(configs) if args.shape else 0)
+    temps = _float_list(args.temperatures, "--temperatures")
+    total = sum(per_size.values()) * len(configs) * len(temps) + hf_passes + (len(configs) if args.shape else 0)
     rows: list[Row] = []
     efficiency = None
     with tqdm(total=total, desc="benchmark", unit="batch", file=sys.stderr) as progress:
         for b in sizes:
-            plain_tokens, plain_tps = None, None
-            for method, spec in configs:
-                progress.set_postfix_str(f"{label(method, spec)}, batch {b}")
-                heads = None if method == "plain" else str(heads_root / method)
-                gen = make_generator(model, method, model_path=path, heads=heads, tree=spec, seed=args.seed,
-                                     mesh=mesh)
-                stats, tokens = run_engine(gen, prompts, b, args.max_new_tokens, args.repeats, progress)
-                tree = getattr(gen, "tree", None)
-                row = Row(method=method, batch_size=b, tree="" if method == "plain" else spec or "default",
-                          tree_nodes=tree.num_nodes if tree else 1, **stats)
-                if method == "plain":
-                    plain_tokens, plain_tps = tokens, row.tokens_per_s
-                    if b == 1:
-                        efficiency = plain_efficiency(model, prompts, args.max_new_tokens, row.step_ms, bandwidth)
-                else:
-                    row.matches_plain = tokens == plain_tokens
-                row.speedup = row.tokens_per_s / plain_tps
-                rows.append(row)
+            plain_tokens = None
+            for temp in temps:
+                sampling = SamplingConfig(temperature=temp)
+                for method, spec in configs:
+                    progress.set_postfix_str(f"{label(method, spec)}, batch {b}, T={temp:g}")
+                    heads = None if method == "plain" else str(heads_root / method)
+                    gen = make_generator(model, method, model_path=path, heads=heads, tree=spec, seed=args.seed,
+                                         mesh=mesh)
+                    stats, tokens = run_engine(gen, prompts, b, args.max_new_tokens, args.repeats, progress,
+                                               sampling, args.seed)
+                    tree = getattr(gen, "tree", None)
+                    row = Row(method=method, batch_size=b, tree="" if method == "plain" else spec or "default",
+                              temperature=temp, tree_nodes=tree.num_nodes if tree else 1, **stats)
+                    if method == "plain":
+                        plain_tps = row.tokens_per_s
+                        if temp == 0:
+                            plain_tokens = tokens
+                            if b == 1:
+                                efficiency = plain_efficiency(model, prompts, args.max_new_tokens, row.step_ms,
+                                                              bandwidth)
+                    elif temp == 0:
+                        row.matches_plain = tokens == plain_tokens
+                    row.speedup = row.tokens_per_s / plain_tps
+                    rows.append(row)
+            plain_tps = next(r.tokens_per_s for r in rows if r.method == "plain" and r.batch_size == b)
             if args.hf:
                 for name, (stats, tokens) in run_hf(path, prompts, b, args.max_new_tokens, args.repeats,
                                                     args.dtype, progress).items():
                     rows.append(Row(method=name, batch_size=b, tau=None, speedup=stats["tokens_per_s"] / plain_tps,
                                     tokens_per_s=stats["tokens_per_s"], new_tokens=stats["new_tokens"],
-                                    matches_plain=tokens == plain_tokens))
+                                    matches_plain=None if plain_tokens is None else tokens == plain_tokens))
         shape = None
         if args.shape:
             progress.set_postfix_str(f"--shape {args.shape}")
             shape = shape_step_times(args.shape, args.shape_layers, configs, sizes[0], args.max_new_tokens,
                                      args.seed, progress, mesh)
             plain_ms = shape["methods"]["plain"]["step_ms"]
-            tau = {label(r.method, r.tree): r.tau for r in rows if r.batch_size == sizes[0]}
+            tau = {label(r.method, r.tree): r.tau for r in rows if r.batch_size == sizes[0] and r.temperature == temps[0]}
             for m, s in shape["methods"].items():
                 s["tau_reference"] = tau[m]
                 s["projected_speedup"] = tau[m] * plain_ms / s["step_ms"]
@@ -455,8 +482,8 @@ def _benchmark(args: argparse.Namespace) -> int:
     for b in sizes:
         hf = {r.method: r for r in rows if r.batch_size == b and r.method.startswith("hf-")}
         if "hf-generate" in hf:
-            ours = {label(r.method, r.tree): r.tokens_per_s for r in rows
-                    if r.batch_size == b and not r.method.startswith("hf-")}
+            ours = {label(r.method, r.tree, r.temperature): r.tokens_per_s for r in rows
+                    if r.batch_size == b and not r.method.startswith("hf-") and not r.temperature}
             ratios = ", ".join(f"{m} {t / hf['hf-generate'].tokens_per_s:.1f}x" for m, t in ours.items())
             print(f"against transformers generate, batch {b}: {ratios}")
     if shape:

@@ -44,6 +44,7 @@ def test_benchmark_runs_and_reports(tmp_path, capsys):
     (["--batch-sizes", "1,zero"], "--batch-sizes '1,zero': expected comma-separated integers"),
     (["--batch-sizes", "0"], "give one or more integers >= 1"),
     (["--repeats", "0"], "--repeats 0 must be >= 1"),
+    (["--temperatures", "0,hot"], "expected comma-separated numbers"),
     (["--tree", "plain=chain:2"], "plain decoding has no tree"),
     (["--prompts", "/nonexistent.jsonl"], "/nonexistent.jsonl"),
 ])
@@ -51,3 +52,14 @@ def test_benchmark_bad_input_is_one_line(args, message, capsys):
     assert benchmark.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
+
+
+def test_benchmark_sampling_rows(tmp_path):
+    """--temperatures adds sampled rows (speculative sampling: tau >= 1, no token-equality claim)."""
+    out = tmp_path / "bench.json"
+    assert benchmark.main(["--methods", "plain,medusa", "--tree", "chain:1", "--num-prompts", "1", "--batch-sizes", "1",
+                           "--max-new-tokens", "4", "--repeats", "1", "--temperatures", "0,1", "--json", str(out)]) == 0
+    rows = {(r["method"], r["temperature"]): r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {("plain", 0.0), ("medusa", 0.0), ("plain", 1.0), ("medusa", 1.0)}
+    assert rows[("medusa", 0.0)]["matches_plain"] is True and rows[("medusa", 1.0)]["matches_plain"] is None
+    assert rows[("medusa", 1.0)]["tau"] >= 1 and rows[("plain", 1.0)]["speedup"] == 1.0
