@@ -8,6 +8,7 @@ both live here. Everything a user can get wrong becomes a `CloverError`; `run_ma
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -158,12 +159,19 @@ def add_distributed_flags(p) -> None:
 
 
 def init_distributed(args) -> None:
-    """Start jax.distributed when flags ask for it; on CPU the collectives go over gloo."""
-    if args.coordinator is None and args.num_processes is None and args.process_id is None:
+    """Start jax.distributed when the flags or JAX's environment (JAX_COORDINATOR_ADDRESS with
+    JAX_NUM_PROCESSES and JAX_PROCESS_ID, or a cluster JAX detects itself) ask for it. On CPU the
+    collectives go over gloo."""
+    flags = (args.coordinator, args.num_processes, args.process_id)
+    from_env = "JAX_COORDINATOR_ADDRESS" in os.environ
+    if all(f is None for f in flags) and not from_env:
         return
-    if None in (args.coordinator, args.num_processes, args.process_id):
+    if any(f is None for f in flags) and not all(f is None for f in flags):
         raise CloverError("--coordinator, --num-processes and --process-id go together")
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    if all(f is None for f in flags):
+        jax.distributed.initialize()  # everything from the environment
+    else:
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from clover_jax.checkpoint import save_heads
 from clover_jax.convert import load_pretrained
+from clover_jax.decode import to_host
 from clover_jax.errors import CloverError
 from infer import cli
 from clover_jax.heads import DEFAULT_NUM_HEADS, METHODS, Heads, HeadsConfig, make_heads
@@ -191,7 +192,8 @@ def run(args) -> int:
         m = jax.tree.map(lambda x: np.asarray(x) / n, sums)
         return {"val_loss": float(m["loss"]), "val_top1": m["top1"].tolist(), "val_top5": m["top5"].tolist()}
 
-    record = MetricsLog(work / "metrics.jsonl").record
+    # One metrics file for the run, not one writer per process.
+    record = MetricsLog(work / "metrics.jsonl").record if jax.process_index() == 0 else (lambda *a, **k: None)
 
     def save(step, ev):
         state = {"params": params, "opt_state": opt_state}
@@ -229,6 +231,10 @@ def run(args) -> int:
             return 0
     last.wait_until_finished()
     best.wait_until_finished()
+    if jax.process_count() > 1:  # the export is written once, from every process's shards
+        params = jax.tree.map(to_host, params)
+        if jax.process_index() != 0:
+            return 0
     nnx.update(heads, params)
     extra = {"training": {k: v for k, v in vars(args).items() if k != "resume"}, "final_step": args.steps,
              "held_out": ev}
