@@ -28,10 +28,8 @@ class KVCache:
     @classmethod
     def zeros(cls, num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
               dtype=jnp.float32) -> "KVCache":
-        shape = (batch, num_kv_heads, max_len, head_dim)
-        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
-        return cls(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-                   lengths=jnp.zeros((batch,), jnp.int32))
+        buffers = lambda: tuple(jnp.zeros((batch, num_kv_heads, max_len, head_dim), dtype) for _ in range(num_layers))
+        return cls(k=buffers(), v=buffers(), lengths=jnp.zeros((batch,), jnp.int32))
 
     @property
     def max_len(self) -> int:

@@ -22,7 +22,7 @@ from clover_jax.cache import KVCache, causal_mask
 from clover_jax.errors import CloverError
 from clover_jax.model import Llama
 from clover_jax.sampling import SamplingConfig, sample, step_keys
-from clover_jax.sharding import batch_sharding, constrain_cache, shard_module
+from clover_jax.sharding import constrain_cache, put_batch, shard_module
 
 BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
@@ -190,12 +190,9 @@ class Generator:
         keys = jax.random.key_data(keys)
         static = dict(sampling=sampling, eos_ids=eos, max_new=max_new_tokens,
                       cache_len=bucket + max_new_tokens + self._slack(), mesh=self.mesh, **self._static())
-        inputs = (padded, lens, budget, keys)
-        if self.mesh is not None:  # each process holds the whole (small) inputs; every device its slice
-            inputs = tuple(jax.make_array_from_callback(x.shape, batch_sharding(self.mesh, x.shape),
-                                                        lambda idx, x=np.asarray(x): x[idx]) for x in inputs)
-        args = (self.params, *map(jnp.asarray, inputs))
-        key = (b, bucket, tuple(sorted(((k, v) for k, v in static.items() if k != "mesh"), key=lambda kv: kv[0])))
+        place = jnp.asarray if self.mesh is None else (lambda x: put_batch(x, self.mesh))
+        args = (self.params, *map(place, (padded, lens, budget, keys)))
+        key = (b, bucket, tuple(sorted(static.items(), key=lambda kv: kv[0])))
         compile_s = 0.0
         if key not in self._compiled:
             t0 = time.perf_counter()

@@ -115,19 +115,18 @@ def onto_mesh(tree, mesh: Mesh):
     return jax.tree.map(lambda x: x if set(x.sharding.device_set) == devices else jax.device_put(x, replicated), tree)
 
 
-def cache_sharding(mesh: Mesh, batch: int, num_kv_heads: int, max_len: int, head_dim: int) -> NamedSharding:
-    return NamedSharding(mesh, spec_for(CACHE_AXES, (batch, num_kv_heads, max_len, head_dim), mesh, "KV cache"))
-
-
 def constrain_cache(cache: KVCache, mesh: Mesh | None) -> KVCache:
     """Pin a cache built inside a jitted program to its shards (batch over data, kv heads over model)."""
     if mesh is None or cache is None:
         return cache
-    s = cache_sharding(mesh, *cache.k[0].shape)
+    s = NamedSharding(mesh, spec_for(CACHE_AXES, cache.k[0].shape, mesh, "KV cache"))
     pin = lambda bufs: tuple(jax.lax.with_sharding_constraint(x, s) for x in bufs)
     return cache.replace(k=pin(cache.k), v=pin(cache.v))
 
 
-def batch_sharding(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
-    """Inputs with a leading batch axis: split over data (and fsdp), the rest replicated."""
-    return NamedSharding(mesh, spec_for(("batch",) + (None,) * (len(shape) - 1), shape, mesh, "batch"))
+def put_batch(x, mesh: Mesh) -> jax.Array:
+    """A host array with a leading batch axis as one global array split over data (and fsdp), the rest
+    replicated. Every process holds the whole (small) array; each device takes its own rows."""
+    x = np.asarray(x)
+    sharding = NamedSharding(mesh, spec_for(("batch",) + (None,) * (x.ndim - 1), x.shape, mesh, "batch"))
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])

@@ -157,7 +157,7 @@ def accept_sample(tree: Tree, tokens: jax.Array, logits: jax.Array, dists: list,
         moved = jnp.zeros((b,), bool)
         nxt = cur
         for r in range(tree.max_rank[d - 1]):
-            child = children[cur, r] if r < children.shape[1] else jnp.full((b,), -1, jnp.int32)
+            child = children[cur, r]  # -1: cur has fewer children
             tok = take(tokens, jnp.maximum(child, 0))
             q_tok, p_tok = take(q, tok), take(p, tok)
             test = active & ~moved & (child >= 0) & (q_tok > 0)

@@ -116,23 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _int_list(text: str, flag: str) -> list[int]:
+def _numbers(text: str, flag: str, parse, what: str, example: str, least: float) -> list:
+    """Comma-separated numbers of a flag, each >= least, or one error line naming the flag."""
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
+        values = [parse(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise CloverError(f"{flag} {text!r}: expected comma-separated integers such as 1,8") from None
-    if not values or any(v < 1 for v in values):
-        raise CloverError(f"{flag} {text!r}: give one or more integers >= 1")
-    return values
-
-
-def _float_list(text: str, flag: str) -> list[float]:
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise CloverError(f"{flag} {text!r}: expected comma-separated numbers such as 0,1") from None
-    if not values or any(not v >= 0 for v in values):
-        raise CloverError(f"{flag} {text!r}: give one or more numbers >= 0")
+        raise CloverError(f"{flag} {text!r}: expected comma-separated {what} such as {example}") from None
+    if not values or any(not v >= least for v in values):
+        raise CloverError(f"{flag} {text!r}: give one or more {what} >= {least:g}")
     return values
 
 
@@ -142,12 +133,11 @@ def _configs(specs: list[str], methods: list[str]) -> list[tuple[str, str | None
     trees: dict[str, list[str | None]] = {m: [] for m in methods if m != "plain"}
     for spec in specs:
         method, sep, tree = spec.partition("=")
-        targets = [method] if sep and method in METHODS else list(trees)
-        if not sep or method not in METHODS:
-            tree = spec
-        if targets == ["plain"]:
+        if not (sep and method in METHODS):  # a tree for every method (a JSON or path may hold '=')
+            method, tree = None, spec
+        if method == "plain":
             raise CloverError("--tree plain=...: plain decoding has no tree")
-        for m in targets:
+        for m in [method] if method else trees:
             if m in trees:
                 trees[m].append(None if tree == "default" else tree)
     return [("plain", None)] + [(m, t) for m, ts in trees.items() for t in (list(dict.fromkeys(ts)) or [None])]
@@ -402,7 +392,7 @@ def _benchmark(args: argparse.Namespace) -> int:
     if unknown:
         raise CloverError(f"--methods: unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
     methods = ["plain"] + [m for m in dict.fromkeys(methods) if m != "plain"]
-    sizes = _int_list(args.batch_sizes, "--batch-sizes")
+    sizes = _numbers(args.batch_sizes, "--batch-sizes", int, "integers", "1,8", 1)
     for flag, value in (("--num-prompts", args.num_prompts), ("--max-new-tokens", args.max_new_tokens),
                         ("--repeats", args.repeats)):
         if value < 1:
@@ -423,7 +413,7 @@ def _benchmark(args: argparse.Namespace) -> int:
     bandwidth = measure_bandwidth()
     per_size = {b: -(-len(prompts) // b) * (args.repeats + 1) for b in sizes}  # batches per method and size
     hf_passes = sum(n * (2 if b == 1 else 1) for b, n in per_size.items()) if args.hf else 0
-    temps = _float_list(args.temperatures, "--temperatures")
+    temps = _numbers(args.temperatures, "--temperatures", float, "numbers", "0,1", 0)
     total = sum(per_size.values()) * len(configs) * len(temps) + hf_passes + (len(configs) if args.shape else 0)
     rows: list[Row] = []
     efficiency = None

@@ -162,16 +162,26 @@ def init_distributed(args) -> None:
     """Start jax.distributed when the flags or JAX's environment (JAX_COORDINATOR_ADDRESS with
     JAX_NUM_PROCESSES and JAX_PROCESS_ID, or a cluster JAX detects itself) ask for it. On CPU the
     collectives go over gloo."""
-    flags = (args.coordinator, args.num_processes, args.process_id)
-    from_env = "JAX_COORDINATOR_ADDRESS" in os.environ
-    if all(f is None for f in flags) and not from_env:
+    given = [f is not None for f in (args.coordinator, args.num_processes, args.process_id)]
+    if not any(given) and "JAX_COORDINATOR_ADDRESS" not in os.environ:
         return
-    if any(f is None for f in flags) and not all(f is None for f in flags):
+    if any(given) and not all(given):
         raise CloverError("--coordinator, --num-processes and --process-id go together")
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if all(f is None for f in flags):
+    if not any(given):
         jax.distributed.initialize()  # everything from the environment
     else:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+
+
+def mesh_of(args):
+    """The device mesh a command's --mesh asks for (None: one device), after joining the other
+    processes when the flags or the environment name them."""
+    init_distributed(args)
+    if not args.mesh:
+        return None
+    from clover_jax.sharding import make_mesh
+
+    return make_mesh(args.mesh)

@@ -22,7 +22,6 @@ from clover_jax.errors import CloverError
 from clover_jax.heads import DEFAULT_NUM_HEADS, METHODS as HEAD_METHODS, HeadsConfig, make_heads
 from clover_jax.model import Llama
 from clover_jax.sampling import SamplingConfig
-from clover_jax.sharding import make_mesh
 from clover_jax.speculative import SpeculativeGenerator
 from clover_jax.tree import resolve_tree
 from infer import cli
@@ -133,8 +132,7 @@ def _generate(args: argparse.Namespace) -> int:
     eos = cli.eos_ids(path, cfg, tokenizer)
     groups = cli.batches(list(range(len(prompts))), args.batch_size)
 
-    cli.init_distributed(args)
-    mesh = make_mesh(args.mesh) if args.mesh else None
+    mesh = cli.mesh_of(args)
     _, model = load_pretrained(path, dtype=DTYPES[args.dtype], mesh=mesh)
     generator = make_generator(model, args.method, model_path=args.model, heads=args.heads, tree=args.tree,
                                num_heads=args.num_heads, max_len=args.max_len, seed=args.seed, mesh=mesh)

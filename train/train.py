@@ -31,7 +31,7 @@ from clover_jax.errors import CloverError
 from infer import cli
 from clover_jax.heads import DEFAULT_NUM_HEADS, METHODS, Heads, HeadsConfig, make_heads
 from clover_jax.model import Llama, causal_self_mask
-from clover_jax.sharding import batch_sharding, make_mesh, onto_mesh, shard_module
+from clover_jax.sharding import onto_mesh, put_batch, shard_module
 from train import losses
 from train.data import HeadDataset
 from train.runs import MetricsLog, pin_run, restore_latest
@@ -123,8 +123,7 @@ def run(args) -> int:
         if getattr(args, name) < 1:
             raise CloverError(f"--{name.replace('_', '-')} must be >= 1")
     dtype = DTYPES[args.dtype]
-    cli.init_distributed(args)
-    mesh = make_mesh(args.mesh) if args.mesh else None
+    mesh = cli.mesh_of(args)
     _, base = load_pretrained(args.base, dtype=dtype, mesh=mesh)
     data = HeadDataset(args.data)
     data.check_base(base)
@@ -152,8 +151,6 @@ def run(args) -> int:
                    "base": str(Path(args.base).resolve()), "data": str(Path(args.data).resolve())})
     if last.latest_step() is not None and not args.resume:
         raise CloverError(f"{work} already holds checkpoints; pass --resume to continue, or another --work-dir")
-    if mesh is not None:
-        opt_state = onto_mesh(opt_state, mesh)
     start, restored = restore_latest(last, {"params": params, "opt_state": opt_state})
     params, opt_state = restored["params"], restored["opt_state"]
     if mesh is not None:
@@ -172,12 +169,9 @@ def run(args) -> int:
 
     evaluate = jax.jit(lambda p, bp, batch: loss_on(p, bp, batch)[1])
 
-    def to_device(batch):
-        if mesh is None:
-            return {k: jnp.asarray(v) for k, v in batch.items() if v is not None}
-        # Every process computes the whole batch (a function of the step); each device takes its rows.
-        return {k: jax.make_array_from_callback(v.shape, batch_sharding(mesh, v.shape), lambda i, v=v: v[i])
-                for k, v in batch.items() if v is not None}
+    def to_device(batch):  # every process computes the whole batch: it is a function of the step
+        place = jnp.asarray if mesh is None else (lambda x: put_batch(x, mesh))
+        return {k: place(v) for k, v in batch.items() if v is not None}
 
     def held_out(step):
         sums, n = None, 0
