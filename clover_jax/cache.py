@@ -64,11 +64,15 @@ def causal_mask(lengths: jax.Array, num_new: int, max_len: int) -> jax.Array:
 
 def tree_mask(lengths: jax.Array, ancestor_mask: jax.Array, max_len: int) -> jax.Array:
     """[B, N, S] mask for a tree of N nodes written after `lengths[b]` committed tokens: each node reads
-    the committed prefix and its own ancestors (itself included), given by `ancestor_mask` [N, N]."""
-    n = ancestor_mask.shape[0]
+    the committed prefix and its own ancestors (itself included), given by `ancestor_mask` [N, N] (one
+    tree for the batch) or [B, N, N] (a tree per sequence)."""
+    b, n = lengths.shape[0], ancestor_mask.shape[-1]
     slot = jnp.arange(max_len)
     rel = slot[None, :] - lengths[:, None]  # [B, S]: position of each slot inside the tree
     in_tree = (rel >= 0) & (rel < n)
-    anc = jnp.take(ancestor_mask, jnp.clip(rel, 0, n - 1), axis=1)  # [N, B, S]
-    anc = jnp.transpose(anc, (1, 0, 2))
+    idx = jnp.clip(rel, 0, n - 1)
+    if ancestor_mask.ndim == 2:
+        anc = jnp.transpose(jnp.take(ancestor_mask, idx, axis=1), (1, 0, 2))  # [B, N, S]
+    else:
+        anc = jnp.take_along_axis(ancestor_mask, jnp.broadcast_to(idx[:, None, :], (b, n, max_len)), axis=2)
     return (rel < 0)[:, None, :] | (in_tree[:, None, :] & anc)

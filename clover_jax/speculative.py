@@ -1,8 +1,10 @@
-"""The speculative step and loop: draft a static tree, verify it in one base forward, accept, compact.
+"""The speculative step and loop: draft a tree, verify it in one base forward, accept, compact.
 
 One step, all static shapes (N tree nodes, depth D, B sequences):
 1. draft level by level: node states from their parents (regressive heads see the parent's token),
-   children = top-k of the parent's head distribution at the ranks the tree fixes;
+   children = top-k of the parent's head distribution at the ranks a static tree fixes, or, for a
+   dynamic tree, the N - 1 best of a beam of candidates chosen per sequence (`draft_dynamic`); either
+   way the step's topology is a `StepTree` of arrays;
 2. verify: the N tree tokens go through the base model at positions `length + depth`, reading the
    cached prefix and their own ancestors (ancestor mask); their K/V land in slots length .. length+N-1;
 3. accept (greedy): a node is accepted when every token on its path equals the base model's argmax at
@@ -27,7 +29,7 @@ from clover_jax.heads import Heads
 from clover_jax.model import Llama
 from clover_jax.sampling import SamplingConfig, distribution, sample, step_keys, top_k
 from clover_jax.sharding import constrain_cache, shard_module
-from clover_jax.tree import Tree
+from clover_jax.tree import DynamicTree, Tree
 
 
 @flax.struct.dataclass
@@ -98,27 +100,113 @@ def draft(base: Llama, heads: Heads, tree: Tree, context: jax.Array, root: jax.A
     return jnp.concatenate(tokens, axis=1), (None if sampling.greedy else dists)
 
 
-def path_to(tree: Tree, best: jax.Array) -> jax.Array:
+@flax.struct.dataclass
+class StepTree:
+    """One step's tree topology as arrays, shared by the batch (leading axis 1: a static Tree's
+    constants) or one per sequence (leading axis B: a dynamic tree). Verification and acceptance read
+    only this, so both kinds of tree go through the same code."""
+
+    parents: jax.Array  # [B|1, N] int32 parent slot; -1 for the root and for empty slots
+    depth: jax.Array  # [B|1, N] int32
+    ancestors: jax.Array  # [B|1, N, N] bool, [i, j] iff j is i or an ancestor of i
+    children: jax.Array  # [B|1, N, C] int32 child slots in the order acceptance tests them, -1 padded
+    valid: jax.Array  # [B|1, N] bool: False for the slots a dynamic tree left empty
+
+    @classmethod
+    def of(cls, tree: Tree) -> "StepTree":
+        const = lambda x: jnp.asarray(x)[None]
+        return cls(const(tree.parents), const(tree.depth), const(tree.ancestor_mask), const(tree.children),
+                    jnp.ones((1, tree.num_nodes), bool))
+
+    def at(self, field: jax.Array, node: jax.Array) -> jax.Array:
+        """field[b, node[b]] per sequence, for a shared or a per-sequence tree."""
+        rows = jnp.arange(node.shape[0]) if field.shape[0] > 1 else 0
+        return field[rows, node]
+
+
+def draft_dynamic(base: Llama, heads: Heads, tree: DynamicTree, context: jax.Array, root: jax.Array,
+                  sampling: SamplingConfig = SamplingConfig()):
+    """Tree tokens [B, N] and the StepTree of a dynamic tree (see `DynamicTree`), per sequence.
+
+    A beam of W nodes per depth, ranked by joint path log-probability under the heads' distributions
+    (softmax of the logits when greedy, `distribution` under the sampling setting otherwise); the D x W
+    candidates are then given slots by the tree's rule, in depth-major order, so parents precede
+    children and a node's children sit in decreasing probability."""
+    b, w, n, depth = root.shape[0], tree.beam, tree.num_nodes, tree.max_depth
+    rows = jnp.arange(b)
+    state0 = heads.node_state(base, 0, context, root)
+    f_tok, f_state = root[:, None], state0[:, None]  # the frontier: nodes of depth d-1
+    f_logp, f_id = jnp.zeros((b, 1), jnp.float32), jnp.zeros((b, 1), jnp.int32)  # id 0 = root, c + 1 = candidate c
+    cand_tok, cand_logp, cand_parent = [], [], []
+    for d in range(1, depth + 1):
+        if heads.token_dependent:
+            logits = heads.node_logits(base, d - 1, f_state, f_tok)  # [B, F, V]
+        else:
+            logits = heads.node_logits(base, d - 1, state0, root)[:, None]  # one distribution per depth
+        q = jax.nn.softmax(logits.astype(jnp.float32), -1) if sampling.greedy else distribution(logits, sampling)
+        prob, tok = top_k(q, w)  # [B, F or 1, W], most likely first
+        keep = prob > 0
+        if tree.kind == "dynamic":  # Clover: the head's top-p nucleus, and at least min_ratio of its top-1
+            keep &= (jnp.cumsum(prob, -1) - prob < tree.top_p) & (prob >= tree.min_ratio * prob[..., :1])
+        joint = f_logp[:, :, None] + jnp.where(keep, jnp.log(prob), -jnp.inf)  # [B, F, W]
+        f = joint.shape[1]
+        logp, idx = top_k(joint.reshape(b, f * w), w)  # the level's best W (-inf: none)
+        parent = idx // w
+        f_tok = jnp.take_along_axis(jnp.broadcast_to(tok, (b, f, w)).reshape(b, f * w), idx, 1).astype(jnp.int32)
+        cand_tok.append(f_tok)
+        cand_logp.append(logp)
+        cand_parent.append(jnp.take_along_axis(f_id, parent, 1))
+        if heads.token_dependent and d < depth:
+            f_state = heads.node_state(base, d, jnp.take_along_axis(f_state, parent[:, :, None], 1), f_tok)
+        f_logp, f_id = logp, jnp.broadcast_to(1 + (d - 1) * w + jnp.arange(w, dtype=jnp.int32), (b, w))
+
+    tok, logp, parent = (jnp.concatenate(x, 1) for x in (cand_tok, cand_logp, cand_parent))  # [B, D*W]
+    ok = logp > -jnp.inf
+    if tree.kind == "dynamic":  # depth by depth, each its most probable: deeper ones get what is left
+        chosen = ok & (jnp.cumsum(ok, 1) <= n - 1)
+    else:  # EAGLE-2: the global top N-1 by joint probability (a parent never ranks below its child)
+        top = top_k(jnp.where(ok, logp, -jnp.inf), n - 1)[1]
+        chosen = ok & jnp.zeros_like(ok).at[rows[:, None], top].set(True)
+    slot = jnp.where(chosen, jnp.cumsum(chosen, 1), n)  # n: no slot (dropped by the scatters)
+    parent_slot = jnp.take_along_axis(jnp.concatenate([jnp.zeros((b, 1), jnp.int32), slot], 1), parent, 1)
+    cand_depth = jnp.broadcast_to(jnp.repeat(jnp.arange(1, depth + 1, dtype=jnp.int32), w), tok.shape)
+    place = lambda vals, fill: jnp.full((b, n), fill, vals.dtype).at[rows[:, None], slot].set(vals, mode="drop")
+    tokens = place(tok, 0).at[:, 0].set(root)
+    parents = place(parent_slot, -1)
+    node_depth = place(cand_depth, 0)
+    valid = place(chosen, False).at[:, 0].set(True)
+
+    eye = jnp.eye(n, dtype=bool)
+    has_parent = (parents >= 0)[:, :, None]
+    ancestors = jnp.broadcast_to(eye, (b, n, n))
+    for _ in range(depth):  # each pass adds one more generation of ancestors
+        ancestors = eye | (jax.vmap(lambda a, p: a[p])(ancestors, jnp.maximum(parents, 0)) & has_parent)
+    is_child = parents[:, :, None] == jnp.arange(n)[None, None, :]  # [B, child, parent]
+    sibling_rank = jnp.take_along_axis(jnp.cumsum(is_child, 1) - 1, jnp.maximum(parents, 0)[:, :, None], 2)[..., 0]
+    children = jnp.full((b, n, w), -1, jnp.int32).at[
+        rows[:, None], jnp.where(parents >= 0, parents, n), sibling_rank].set(
+        jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n)), mode="drop")
+    return tokens, StepTree(parents, node_depth, ancestors, children, valid)
+
+
+def path_to(st: StepTree, best: jax.Array, max_depth: int) -> jax.Array:
     """[B, D+1] node indices root..best by depth, padded with best past its depth."""
-    on_path = jnp.asarray(tree.ancestor_mask)[best]  # [B, N]
-    depth = jnp.asarray(tree.depth)
-    by_depth = on_path[:, None, :] & (depth[None, None, :] == jnp.arange(tree.max_depth + 1)[None, :, None])
+    on_path = st.at(st.ancestors, best)  # [B, N]
+    by_depth = on_path[:, None, :] & (st.depth[:, None, :] == jnp.arange(max_depth + 1)[None, :, None])
     return jnp.where(by_depth.any(-1), jnp.argmax(by_depth, -1), best[:, None])
 
 
-def accept_greedy(tree: Tree, tokens: jax.Array, logits: jax.Array):
+def accept_greedy(st: StepTree, tokens: jax.Array, logits: jax.Array, max_depth: int):
     """(best node [B], bonus token [B], path [B, D+1] node indices root..best, padded with best).
 
     A node is accepted when each node on its path holds the base model's argmax at its parent."""
     target = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, N]
-    parents = np.maximum(tree.parents, 0)
-    match = (tokens == target[:, parents]).at[:, 0].set(True)
-    anc = jnp.asarray(tree.ancestor_mask)
-    accepted = jnp.all(jnp.where(anc[None], match[:, None, :], True), axis=-1)  # [B, N]
-    score = jnp.where(accepted, jnp.asarray(tree.depth) + 1, 0)
-    best = jnp.argmax(score, axis=-1)
+    at_parent = jnp.take_along_axis(target, jnp.broadcast_to(jnp.maximum(st.parents, 0), target.shape), 1)
+    match = ((tokens == at_parent) & st.valid).at[:, 0].set(True)
+    accepted = jnp.all(jnp.where(st.ancestors, match[:, None, :], True), axis=-1)  # [B, N]
+    best = jnp.argmax(jnp.where(accepted, st.depth + 1, 0), axis=-1)
     bonus = jnp.take_along_axis(target, best[:, None], axis=1)[:, 0]
-    return best, bonus, path_to(tree, best)
+    return best, bonus, path_to(st, best, max_depth)
 
 
 def _normalise(x: jax.Array, fallback: jax.Array) -> jax.Array:
@@ -131,46 +219,56 @@ def accept_probability(p_token: jax.Array, q_token: jax.Array) -> jax.Array:
     return jnp.minimum(1.0, p_token / q_token)
 
 
-def accept_sample(tree: Tree, tokens: jax.Array, logits: jax.Array, dists: list, sampling: SamplingConfig,
-                  key: jax.Array):
+def level_draws(tree: Tree, dists: list):
+    """For a static tree drafted by sampling: node -> the distribution [B, V] its children were drawn from."""
+    def q_of(d: int, node: jax.Array) -> jax.Array:
+        q_level = dists[d - 1]  # [B, n_{d-1} or 1, V]
+        return q_level[jnp.arange(node.shape[0]), jnp.clip(node - tree.level(d - 1).start, 0, q_level.shape[1] - 1)]
+    return q_of
+
+
+def accept_sample(st: StepTree, tokens: jax.Array, logits: jax.Array, sampling: SamplingConfig, key: jax.Array,
+                  ranks, draws=None):
     """Speculative sampling on a tree; returns what `accept_greedy` returns, and the emitted tokens have
     exactly the distribution plain sampling under `sampling` gives.
 
-    From the root, depth by depth: the current node's children are tested in draw order; child c (its
-    draw distribution q) is kept with probability min(1, p(c)/q(c)), p the base model's distribution at
-    the node. On a rejection p becomes the residual max(p - q, 0) renormalised and q loses c
-    (renormalised: the next child was drawn without replacement). A kept child becomes the current
+    From the root, depth by depth: the current node's children are tested in order; child c is kept
+    with probability min(1, p(c)/q(c)), p the base model's distribution at the node and q the one c was
+    drawn from (`draws(d, node)`, children drawn without replacement in test order). On a rejection p
+    becomes the residual max(p - q, 0) renormalised and q loses c (renormalised: the next child was
+    drawn without it). Without `draws` (a dynamic tree, whose children are chosen, not drawn) each child
+    is tested as a draw from a point mass on itself: kept with probability p(c), else removed from p,
+    which is sequential sampling from p whatever chose the children. A kept child becomes the current
     node, with p its own base distribution; when no child is kept (or at a leaf) the walk stops and the
-    bonus token is drawn from p, residual included."""
+    bonus token is drawn from p, residual included. ranks[d-1]: children tested at depth d at most."""
     b = tokens.shape[0]
     rows = jnp.arange(b)
     take = lambda x, idx: x[rows, idx]
     uniform = lambda k, tag: jax.vmap(lambda kk: jax.random.uniform(jax.random.fold_in(kk, tag)))(k)
-    children = jnp.asarray(tree.children)
     cur = jnp.zeros((b,), jnp.int32)
     p = distribution(logits[:, 0], sampling)
     active = jnp.ones((b,), bool)
-    for d in range(1, tree.max_depth + 1):
-        prev = tree.level(d - 1)
-        q_level = dists[d - 1]  # [B, n_{d-1} or 1, V]
-        q = take(q_level, jnp.clip(cur - prev.start, 0, q_level.shape[1] - 1))  # [B, V]
+    for d in range(1, len(ranks) + 1):
+        q = None if draws is None else draws(d, cur)  # [B, V]
         moved = jnp.zeros((b,), bool)
         nxt = cur
-        for r in range(tree.max_rank[d - 1]):
-            child = children[cur, r]  # -1: cur has fewer children
+        for r in range(ranks[d - 1]):
+            child = st.at(st.children, cur)[:, r]  # -1: cur has fewer children
             tok = take(tokens, jnp.maximum(child, 0))
-            q_tok, p_tok = take(q, tok), take(p, tok)
+            q_tok = jnp.ones((b,)) if q is None else take(q, tok)
             test = active & ~moved & (child >= 0) & (q_tok > 0)
-            keep = test & (uniform(key, 1000 * d + r) < accept_probability(p_tok, q_tok))
+            keep = test & (uniform(key, 1000 * d + r) < accept_probability(take(p, tok), q_tok))
             nxt = jnp.where(keep, child, nxt)
             moved = moved | keep
             reject = (test & ~keep)[:, None]
-            p = jnp.where(reject, _normalise(jnp.maximum(p - q, 0.0), p), p)
-            q = jnp.where(reject, _normalise(q.at[rows, tok].set(0.0), jnp.zeros_like(q)), q)
+            drawn_from = jax.nn.one_hot(tok, p.shape[-1], dtype=p.dtype) if q is None else q
+            p = jnp.where(reject, _normalise(jnp.maximum(p - drawn_from, 0.0), p), p)
+            if q is not None:
+                q = jnp.where(reject, _normalise(q.at[rows, tok].set(0.0), jnp.zeros_like(q)), q)
         p = jnp.where(moved[:, None], distribution(take(logits, nxt), sampling), p)
         cur, active = nxt, active & moved
     bonus = jax.vmap(lambda k, pr: jax.random.categorical(jax.random.fold_in(k, 999_999), jnp.log(pr)))(key, p)
-    return cur, bonus.astype(jnp.int32), path_to(tree, cur)
+    return cur, bonus.astype(jnp.int32), path_to(st, cur, len(ranks))
 
 
 def compact(cache: KVCache, path: jax.Array) -> KVCache:
@@ -201,7 +299,7 @@ def update_context(base, heads: Heads, aug_cache, hidden, hidden_normed, next_to
     return last, aug_cache
 
 
-def generate_speculative(graphdefs, params, prompts, prompt_lens, budgets, keys, *, tree: Tree,
+def generate_speculative(graphdefs, params, prompts, prompt_lens, budgets, keys, *, tree: Tree | DynamicTree,
                          sampling: SamplingConfig, eos_ids: tuple[int, ...], max_new: int, cache_len: int,
                          mesh=None):
     """Speculative generation as one pure function (jit with the keyword args static)."""
@@ -223,23 +321,29 @@ def generate_speculative(graphdefs, params, prompts, prompt_lens, budgets, keys,
         done=budgets <= 0, finite=jnp.isfinite(logits).all(-1), keys=keys, step=jnp.zeros((), jnp.int32),
         accept_hist=jnp.zeros((b, depth + 1), jnp.int32))
     state = state.append(root[:, None], jnp.ones((b,), jnp.int32), budgets, eos_ids)
-    node_depth = jnp.asarray(tree.depth)
-    ancestors = jnp.asarray(tree.ancestor_mask)
+    dynamic = isinstance(tree, DynamicTree)
+    static_tree = None if dynamic else StepTree.of(tree)
+    ranks = (tree.beam,) * depth if dynamic else tree.max_rank
 
     def cond(s: SpecState):
         return (s.step < max_new) & ~jnp.all(s.done)
 
     def body(s: SpecState):
         key = step_keys(s.keys, s.step + 1)
-        tokens, dists = draft(base, heads, tree, s.context, s.root, sampling, key)  # [B, N]
-        c = s.cache
-        positions = c.lengths[:, None] + node_depth[None, :]
-        out = base(tokens, positions, tree_mask(c.lengths, ancestors, cache_len), c)
-        if sampling.greedy:
-            best, bonus, path = accept_greedy(tree, tokens, out.logits)
+        if dynamic:
+            tokens, st = draft_dynamic(base, heads, tree, s.context, s.root, sampling)  # [B, N]
+            draws = None
         else:
-            best, bonus, path = accept_sample(tree, tokens, out.logits, dists, sampling, key)
-        accepted = node_depth[best]  # drafted tokens accepted, per sequence
+            tokens, dists = draft(base, heads, tree, s.context, s.root, sampling, key)  # [B, N]
+            st, draws = static_tree, (None if sampling.greedy else level_draws(tree, dists))
+        c = s.cache
+        ancestors = st.ancestors if dynamic else st.ancestors[0]
+        out = base(tokens, c.lengths[:, None] + st.depth, tree_mask(c.lengths, ancestors, cache_len), c)
+        if sampling.greedy:
+            best, bonus, path = accept_greedy(st, tokens, out.logits, depth)
+        else:
+            best, bonus, path = accept_sample(st, tokens, out.logits, sampling, key, ranks, draws)
+        accepted = st.at(st.depth, best)  # drafted tokens accepted, per sequence
         count = accepted + 1  # tokens committed to the cache (root + accepted) = tokens emitted
         live = ~s.done
         cache = compact(out.cache, path).advance(jnp.where(live, count, 0))
@@ -264,9 +368,10 @@ def generate_speculative(graphdefs, params, prompts, prompt_lens, budgets, keys,
 
 
 class SpeculativeGenerator(Generator):
-    """`Generator` with draft heads and a static tree; greedy decoding or lossless speculative sampling."""
+    """`Generator` with draft heads and a static or dynamic tree; greedy decoding or lossless speculative
+    sampling."""
 
-    def __init__(self, model: Llama, heads: Heads, tree: Tree, **kwargs):
+    def __init__(self, model: Llama, heads: Heads, tree: Tree | DynamicTree, **kwargs):
         super().__init__(model, **kwargs)
         if self.mesh is not None:
             shard_module(heads, self.mesh)

@@ -1,4 +1,5 @@
-"""Static tree topology for speculative decoding: host-side NumPy constants, built once.
+"""Tree topology for speculative decoding: static trees as host-side NumPy constants built once, and
+the settings of a dynamic tree (chosen per step under a fixed node budget; drafted in speculative.py).
 
 A tree is written as Medusa and EAGLE write it: a list of paths, each path the sequence of child ranks
 from the root (rank r = the r-th best candidate of the parent's draft distribution), e.g.
@@ -225,27 +226,96 @@ def _positive(x, what: str) -> int:
     return int(x)
 
 
+# A dynamic tree's selection rule: Clover's sampler, or EAGLE-2's expand-then-rerank.
+DYNAMIC_KINDS = ("dynamic", "eagle2")
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicTree:
+    """A tree chosen afresh each step, per sequence, from the heads' own probabilities, under a fixed
+    budget of `num_nodes` slots (root included) so every step keeps one static shape.
+
+    Drafting expands a beam level by level: at depth d the `beam` best nodes of depth d-1 (by joint
+    path probability, the product of the draft probabilities along the path) each propose their
+    `beam` most likely children, and the best `beam` of those form the next level. Then the budget is
+    filled from these candidates:
+    - `kind="dynamic"` (Clover's sampler): candidates outside a head's top-p nucleus (`top_p`) or below
+      `min_ratio` of that head's top-1 probability are dropped, and depths take the budget in order,
+      each keeping its most probable candidates: deeper heads use what shallower ones left;
+    - `kind="eagle2"` (EAGLE-2): no filter; the global top num_nodes-1 candidates by joint probability.
+    Either way a node's parent ranks ahead of it, so the chosen set is a tree. Slots the rule leaves
+    empty are masked out of verification and never accepted."""
+
+    kind: str  # "dynamic" or "eagle2"
+    num_nodes: int  # N: slots per step, the root included (what the verifier runs, like Tree.num_nodes)
+    max_depth: int  # D: heads used
+    beam: int  # W: nodes kept per depth, and children proposed per node
+    top_p: float = 0.8
+    min_ratio: float = 0.25
+
+    def __post_init__(self):
+        if self.kind not in DYNAMIC_KINDS:
+            raise CloverError(f"dynamic tree kind {self.kind!r}: use one of {', '.join(DYNAMIC_KINDS)}")
+        if self.num_nodes < 2 or self.num_nodes > MAX_NODES:
+            raise CloverError(f"a dynamic tree needs 2..{MAX_NODES} nodes (root included), got {self.num_nodes}")
+        if self.max_depth < 1 or self.beam < 1:
+            raise CloverError(f"a dynamic tree needs depth >= 1 and beam >= 1, got {self.max_depth} and {self.beam}")
+        if self.num_nodes - 1 > self.max_depth * self.beam:
+            raise CloverError(f"{self.kind}:{self.num_nodes} cannot be filled by {self.max_depth} depths of "
+                              f"{self.beam} candidates: raise the beam (write {self.kind}:{self.num_nodes},W) "
+                              "or lower the budget")
+        if not 0 < self.top_p <= 1 or not 0 <= self.min_ratio <= 1:
+            raise CloverError(f"dynamic tree filters top_p={self.top_p}, min_ratio={self.min_ratio} must lie in (0, 1]")
+
+    @property
+    def candidates(self) -> int:
+        """Candidate nodes drafted per step (D x W), of which num_nodes - 1 are verified."""
+        return self.max_depth * self.beam
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.num_nodes},{self.beam}"
+
+    @classmethod
+    def parse(cls, kind: str, arg: str, depth: int) -> DynamicTree:
+        """`dynamic:N` or `dynamic:N,W` (likewise eagle2): N slots, beam W (default: 8, fewer when N - 1 is
+        smaller, more when D x 8 candidates could not fill N - 1 slots), depth = the heads available."""
+        try:
+            nums = [int(x) for x in arg.split(",")] if arg else []
+        except ValueError:
+            nums = []
+        if len(nums) not in (1, 2):
+            raise CloverError(f"tree spec {kind}:{arg}: write {kind}:N (N tree slots, root included) or {kind}:N,W "
+                              "(and W the beam width)")
+        n = nums[0]
+        beam = nums[1] if len(nums) == 2 else max(min(8, n - 1), -(-(n - 1) // depth))
+        return cls(kind, n, depth, beam)
+
+
 def resolve_tree(spec, method: str, num_heads: int) -> Tree:
     """The tree a user asked for, checked against the heads it will be drafted with.
 
     spec: None or "default" (the method's paper tree), a name from NAMED_TREES or "mc_sim_7b_63"
     (both named trees are cut to num_heads), "chain:D", "full:WxD", "widths:W1,W2,...", a JSON list
-    of paths as a string, a JSON file path, a list of paths, or a Tree.
+    of paths as a string, a JSON file path, a list of paths, a Tree, or a dynamic tree
+    "dynamic:N[,W]" / "eagle2:N[,W]" (a DynamicTree of depth num_heads).
     """
     if method not in METHOD_TREE:
         raise CloverError(f"unknown method {method!r}: use one of {', '.join(METHOD_TREE)}")
     heads = _positive(num_heads, "num_heads")
     if isinstance(spec, Tree):
         return Tree.from_paths(spec.paths, heads)
+    if isinstance(spec, DynamicTree):
+        if spec.max_depth > heads:
+            raise CloverError(f"dynamic tree of depth {spec.max_depth} needs more than the {heads} draft heads")
+        return spec
     if spec is None or isinstance(spec, (list, tuple)):
         return _named(METHOD_TREE[method], heads) if spec is None else Tree.from_paths(spec, heads)
     if not isinstance(spec, str):
         raise CloverError(f"a tree spec must be a string, a list of paths or None, got {type(spec).__name__}")
     s = spec.strip()
     kind, _, arg = s.partition(":")
-    if kind == "dynamic":
-        raise CloverError(f"tree spec {spec!r}: dynamic trees are not supported by resolve_tree yet; "
-                          "use a static tree")
+    if kind in DYNAMIC_KINDS:
+        return DynamicTree.parse(kind, arg, heads)
     if s in ("default", "mc_sim_7b_63"):
         return _named(METHOD_TREE[method], heads)
     if s in NAMED_TREES:
@@ -273,7 +343,7 @@ def resolve_tree(spec, method: str, num_heads: int) -> Tree:
     if os.path.isfile(s) or s.endswith(".json"):
         return Tree.from_file(s, heads)
     raise CloverError(f"unknown tree spec {spec!r}: use default, {', '.join(NAMED_TREES)}, chain:D, "
-                      "full:WxD, widths:W1,W2,..., a JSON list of paths or a .json file")
+                      "full:WxD, widths:W1,W2,..., dynamic:N, eagle2:N, a JSON list of paths or a .json file")
 
 
 def _named(name: str, heads: int) -> Tree:

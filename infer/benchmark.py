@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree", action="append", default=[], metavar="[METHOD=]SPEC",
                    help="draft tree for every speculative method, or METHOD=SPEC for one; repeat it to measure "
                         "several trees in the same run. SPEC: default (the method's own), chain:K, widths:4,2,2, "
-                        "full:WxD, a named tree or a JSON file of paths (default: each method's default tree)")
+                        "full:WxD, a named tree, a JSON file of paths, or a dynamic tree dynamic:N / eagle2:N "
+                        "(default: each method's default tree)")
     p.add_argument("--prompts", metavar="FILE",
                    help="JSONL prompts, one {\"prompt\": ...} per line (default: MODEL/prompts.jsonl)")
     p.add_argument("--num-prompts", type=int, default=24, metavar="N", help="first N prompts of the file (default: %(default)s)")

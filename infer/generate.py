@@ -68,9 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft heads directory written by train.train, or 'random' for untrained heads "
                         "(default: MODEL/heads/METHOD, the heads shipped beside the model)")
     p.add_argument("--tree", metavar="SPEC",
-                   help="draft tree: a name (mc_sim_7b_63), chain:D, full:WxD, widths:W1,W2,..., a JSON "
-                        "list of paths such as [[0],[1],[0,0]], or a JSON file of one (default: the "
-                        "method's default tree)")
+                   help="draft tree: a static one - a name (mc_sim_7b_63), chain:D, full:WxD, widths:W1,W2,..., "
+                        "a JSON list of paths such as [[0],[1],[0,0]], or a JSON file of one - or a dynamic "
+                        "one chosen per step from the heads' probabilities under a budget of N nodes: "
+                        "dynamic:N (Clover's sampler) or eagle2:N (EAGLE-2's rerank), ',W' after N sets "
+                        "the beam width (default: the method's default static tree)")
     p.add_argument("--num-heads", type=int, metavar="K",
                    help="number of heads with --heads random (default: medusa 4, clover 3, clover2 5)")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",

@@ -10,9 +10,11 @@ from __future__ import annotations
 import math
 import re
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -24,6 +26,7 @@ from transformers import (
 
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import Generator
+from clover_jax.heads import Heads, HeadsConfig
 
 VOCAB = 64
 EOS, BOS, PAD = 2, 1, 0
@@ -125,3 +128,23 @@ def random_tokens(batch: int, length: int, seed: int = 0) -> np.ndarray:
 def assert_one_line(excinfo) -> None:
     message = str(excinfo.value)
     assert message and "\n" not in message, message
+
+
+class TableHeads(Heads):
+    """A drafter whose every probability is known: head k's logits at a node holding token t are
+    table[k, t], whatever the context (no state, no Augmenting Block)."""
+
+    token_dependent = True
+
+    def __init__(self, base_cfg, table):
+        super().__init__(HeadsConfig("clover", table.shape[0]), base_cfg, [])
+        self.table = nnx.Param(jnp.asarray(table, jnp.float32))
+
+    def context(self, base, hidden, hidden_normed, next_tokens, positions, mask, cache):
+        return hidden_normed, cache
+
+    def node_state(self, base, k, state, token):
+        return state
+
+    def node_logits(self, base, k, state, token):
+        return self.table[...][k][token]

@@ -3,8 +3,8 @@
 A tiny model (24-token vocabulary) with peaked distributions; its exact distribution of the first four
 sampled tokens under a sampling setting is computed by enumerating every prefix. Tens of thousands of
 speculative samples (one per sequence of a large batch; fixed seeds, so the test is deterministic) must
-pass a chi-square test against it for every method, at temperature 1 and 0.7 and with top-p 0.9; the
-same test must reject a deliberately wrong acceptance rule.
+pass a chi-square test against it for every method, at temperature 1 and 0.7 and with top-p 0.9, on
+static and dynamic trees; the same test must reject a deliberately wrong acceptance rule.
 """
 
 import itertools
@@ -23,6 +23,7 @@ from clover_jax.model import Llama, causal_self_mask
 from clover_jax.sampling import SamplingConfig, distribution
 from clover_jax.speculative import SpeculativeGenerator
 from clover_jax.tree import resolve_tree
+from conftest import TableHeads
 
 VOCAB = 24
 PREFIX = [3, 17, 5, 9, 12]
@@ -73,9 +74,23 @@ def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
     return float(scipy.stats.chisquare(obs[keep], exp[keep]).pvalue)
 
 
-def sample_tokens(base, method: str, sampling: SamplingConfig) -> np.ndarray:
-    heads = noisy(make_heads(HeadsConfig(method, 3), base, seed=2), 0.05, seed=3, replace=False)
-    gen = SpeculativeGenerator(base, heads, resolve_tree(TREE, method, 3))
+def table_heads(base) -> TableHeads:
+    """Heads that know the base model's bigram statistics: head d at a node holding token a proposes
+    P(t_{d+2} = b | t_{d+1} = a) from the exact joint at temperature 1. Random heads draft well enough
+    for trees whose children are sampled, but a dynamic tree takes each node's most likely children,
+    and with uninformed heads those are rarely accepted past depth 1."""
+    joint = exact_joint(base, SamplingConfig(temperature=1.0))
+    pairs = [joint.sum(axis=tuple(i for i in range(NEW) if i not in (d, d + 1))) for d in range(NEW - 1)]
+    table = np.stack([np.log(p / p.sum(-1, keepdims=True) + 1e-9) for p in pairs])
+    return TableHeads(base.cfg, table)
+
+
+def sample_tokens(base, method: str, sampling: SamplingConfig, tree: str = TREE) -> np.ndarray:
+    if method == "table":
+        heads = table_heads(base)
+    else:
+        heads = noisy(make_heads(HeadsConfig(method, 3), base, seed=2), 0.05, seed=3, replace=False)
+    gen = SpeculativeGenerator(base, heads, resolve_tree(tree, "clover" if method == "table" else method, 3))
     rows = []
     for seed in range(DRAWS):
         out = gen.generate([PREFIX] * BATCH, NEW, sampling, seed=seed, eos_ids=())
@@ -96,22 +111,28 @@ def p_values(tokens: np.ndarray, joint: np.ndarray) -> dict[str, float]:
             "t3,t4": chi_square_p(counts([2, 3]), marg([2, 3]))}
 
 
-CASES = [("medusa", SamplingConfig(temperature=1.0)), ("clover", SamplingConfig(temperature=1.0)),
-         ("clover2", SamplingConfig(temperature=1.0)), ("clover2", SamplingConfig(temperature=0.7)),
-         ("clover", SamplingConfig(temperature=1.0, top_p=0.9))]
+# Dynamic trees choose their children instead of drawing them (and test each against a point mass);
+# "table" heads know the base model's bigrams (see table_heads).
+CASES = [("medusa", SamplingConfig(temperature=1.0), TREE), ("clover", SamplingConfig(temperature=1.0), TREE),
+         ("clover2", SamplingConfig(temperature=1.0), TREE), ("clover2", SamplingConfig(temperature=0.7), TREE),
+         ("clover", SamplingConfig(temperature=1.0, top_p=0.9), TREE),
+         ("table", SamplingConfig(temperature=1.0), "eagle2:7"),
+         ("table", SamplingConfig(temperature=0.7, top_p=0.9), "dynamic:7")]
 
 
-@pytest.mark.parametrize("method, sampling", CASES, ids=[f"{m}-T{s.temperature}-p{s.top_p}" for m, s in CASES])
-def test_speculative_sampling_has_the_base_distribution(base, method, sampling):
-    pv = p_values(sample_tokens(base, method, sampling), exact_joint(base, sampling))
+@pytest.mark.parametrize("method, sampling, tree", CASES,
+                         ids=[f"{m}-T{s.temperature}-p{s.top_p}-{t.split(':')[0]}" for m, s, t in CASES])
+def test_speculative_sampling_has_the_base_distribution(base, method, sampling, tree):
+    pv = p_values(sample_tokens(base, method, sampling, tree), exact_joint(base, sampling))
     assert min(pv.values()) > 1e-3, pv
 
 
-def test_a_wrong_acceptance_rule_fails_the_same_test(base, monkeypatch):
+@pytest.mark.parametrize("method, tree", [("clover2", TREE), ("table", "eagle2:7")], ids=["static", "dynamic"])
+def test_a_wrong_acceptance_rule_fails_the_same_test(base, monkeypatch, method, tree):
     """Accepting drafts twice as readily (min(1, 2p/q)) skews the output; the test must see it."""
     monkeypatch.setattr(speculative, "accept_probability", lambda p, q: jnp.minimum(1.0, 2 * p / q))
     jax.clear_caches()  # the same program was traced with the right rule by an earlier test
     sampling = SamplingConfig(temperature=1.0)
-    pv = p_values(sample_tokens(base, "clover2", sampling), exact_joint(base, sampling))
+    pv = p_values(sample_tokens(base, method, sampling, tree), exact_joint(base, sampling))
     jax.clear_caches()  # leave no program traced with the wrong rule behind
     assert min(pv.values()) < 1e-6, pv

@@ -22,9 +22,9 @@ from clover_jax.errors import CloverError
 from clover_jax.heads import DEFAULT_NUM_HEADS, Heads, HeadsConfig, make_heads
 from clover_jax.model import Llama
 from clover_jax.sampling import SamplingConfig
-from clover_jax.speculative import SpeculativeGenerator, accept_greedy, compact, update_context
-from clover_jax.tree import Tree, chain, resolve_tree
-from conftest import assert_one_line
+from clover_jax.speculative import SpeculativeGenerator, StepTree, accept_greedy, compact, draft_dynamic, update_context
+from clover_jax.tree import DynamicTree, Tree, chain, resolve_tree
+from conftest import TableHeads, assert_one_line
 
 PROMPTS = [[1, 7, 8, 9], [1, 3, 4, 22, 23, 24, 25, 60], [1, 2], [9] * 11]
 EOS_ROW = 2  # the prompt whose greedy continuation is cut by EOS mid-way
@@ -33,9 +33,9 @@ MAX_NEW = 20
 BUDGETS = [5, 0, 3, 17]
 FREE_EXTRA = 8  # continuation past MAX_NEW: covers a last step's overshoot (at most tree depth + 1)
 PREFILL_LEN = 48  # >= longest prompt + MAX_NEW + FREE_EXTRA
-# (tree, batch) per method: a chain, a wide tree, and the method's paper tree cut to its head count
-# (None). One batch-1 case keeps the compile count (and the file's run time) down.
-CASES = [("chain:3", 4), ("widths:4,2", 1), (None, 4)]
+# (tree, batch) per method: a chain, a wide tree, the method's paper tree cut to its head count
+# (None), and the two dynamic trees. Batch-1 cases keep the compile count (and the file's run time) down.
+CASES = [("chain:3", 4), ("widths:4,2", 1), (None, 4), ("dynamic:8", 4), ("eagle2:10", 1)]
 SEED = 1
 
 
@@ -294,6 +294,89 @@ def test_oracle_right_only_at_rank1_and_sometimes(ref, fresh, oracle):
     assert total[0] > 0 and total[2:].sum() > 0, total
 
 
+@pytest.fixture(scope="module")
+def oracle_dynamic(ref, oracle):
+    """The oracle's heads on the two dynamic trees (9 slots, depth 4)."""
+    heads, _ = oracle
+    return {spec: SpeculativeGenerator(ref.base, heads, resolve_tree(spec, "clover", 4))
+            for spec in ("eagle2:9", "dynamic:9")}
+
+
+def test_oracle_on_dynamic_trees(ref, fresh, oracle, oracle_dynamic):
+    """The true successor of a token is its rank-0 child for two tokens in three and its rank-1 child
+    for the rest. EAGLE-2's rerank keeps rank-1 children (joint probability e^-50 still beats the
+    noise), so its paths switch ranks and run long; Clover's sampler drops them (under a quarter of
+    the top-1) and stops at the first rank-1 successor. Both write exactly the plain greedy text."""
+    heads, _ = oracle
+    nxt, v = bigram(ref), ref.base.cfg.vocab_size
+    known = lambda t: t % 3 != 0
+    heads.set_tables([nxt.get(t, 0) if known(t) else wrong(t, nxt, v, 1) for t in range(v)],
+                     [wrong(t, nxt, v, 2) if known(t) else nxt.get(t, 0) for t in range(v)],
+                     np.random.default_rng(8).uniform(0, 1, (v, v)))
+    mean_accepted = {}
+    for spec, gen in oracle_dynamic.items():
+        out = gen.generate(PROMPTS, MAX_NEW)
+        check_run(out, ref.full, PROMPTS, [MAX_NEW] * 4, ref, fresh, gen)
+        hist = np.asarray(out.state.accept_hist).sum(0)
+        mean_accepted[spec] = (hist @ np.arange(len(hist))) / hist.sum()
+    assert mean_accepted["eagle2:9"] > mean_accepted["dynamic:9"] > 0.3, mean_accepted
+
+
+def reference_dynamic(probs: np.ndarray, root: int, tree: DynamicTree) -> set[tuple[int, ...]]:
+    """The token paths `DynamicTree`'s docstring selects, written out in plain Python (float64)."""
+    frontier, candidates = [((root,), 0.0)], []
+    for d in range(tree.max_depth):
+        level = []
+        for path, logp in frontier:
+            q = probs[d, path[-1]]
+            order = np.argsort(-q, kind="stable")[: tree.beam]
+            mass = 0.0
+            for t in order:
+                keep = tree.kind == "eagle2" or (mass < tree.top_p and q[t] >= tree.min_ratio * q[order[0]])
+                mass += q[t]
+                if keep:
+                    level.append((path + (int(t),), logp + np.log(q[t])))
+        frontier = sorted(level, key=lambda c: -c[1])[: tree.beam]
+        candidates += frontier
+    if tree.kind == "eagle2":
+        candidates = sorted(candidates, key=lambda c: -c[1])
+    return {path[1:] for path, _ in candidates[: tree.num_nodes - 1]}
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "eagle2"])
+def test_dynamic_tree_matches_a_plain_python_reference(kind):
+    """Per sequence (different roots), the drafted tree holds exactly the reference's paths, within its
+    budget, and its arrays are one consistent tree: parents precede children one depth up, ancestors
+    follow the parents, children are listed by decreasing probability, empty slots are masked."""
+    depth, vocab, n, beam = 3, 12, 9, 3
+    rng = np.random.default_rng(0)
+    table = rng.normal(0, 2.0, (depth, vocab, vocab))
+    heads = TableHeads(ModelConfig.tiny(vocab_size=vocab), table)
+    probs = np.exp(table) / np.exp(table).sum(-1, keepdims=True)
+    tree = DynamicTree(kind, n, depth, beam)
+    roots = np.arange(vocab, dtype=np.int32)
+    tokens, st = jax.jit(draft_dynamic, static_argnums=(0, 2))(
+        None, heads, tree, jnp.zeros((vocab, 4)), jnp.asarray(roots))
+    tokens, parents, node_depth, anc, children, valid = map(
+        np.asarray, (tokens, st.parents, st.depth, st.ancestors, st.children, st.valid))
+    assert tokens.shape == (vocab, n) and valid.sum(1).max() <= n
+    for b, root in enumerate(roots):
+        assert tokens[b, 0] == root and valid[b, 0] and parents[b, 0] == -1
+        paths = set()
+        for i in np.flatnonzero(valid[b])[1:]:
+            p = parents[b, i]
+            assert 0 <= p < i and valid[b, p] and node_depth[b, i] == node_depth[b, p] + 1
+            assert (anc[b, i] == (np.eye(n, dtype=bool)[i] | anc[b, p])).all()
+            chain = np.flatnonzero(anc[b, i])
+            paths.add(tuple(tokens[b, chain[1:]]))
+        assert paths == reference_dynamic(probs, int(root), tree)
+        for i in range(n):
+            kids = [c for c in children[b, i] if c >= 0]
+            assert kids == [c for c in np.flatnonzero(valid[b] & (parents[b] == i))]
+            q = [probs[node_depth[b, i], tokens[b, i], tokens[b, c]] for c in kids]
+            assert q == sorted(q, reverse=True)
+
+
 # ---------------------------------------------------------------- accept and compact by hand
 
 
@@ -310,7 +393,7 @@ def test_accept_greedy_hand_built():
     ])  # fmt: skip
     noise = np.random.default_rng(0).uniform(0, 1, (4, 6, 10))
     logits = jnp.asarray(noise + 5 * np.eye(10)[target], jnp.float32)
-    best, bonus, path = jax.jit(accept_greedy, static_argnums=0)(tree, tokens, logits)
+    best, bonus, path = jax.jit(accept_greedy, static_argnums=3)(StepTree.of(tree), tokens, logits, tree.max_depth)
     np.testing.assert_array_equal(best, [5, 4, 0, 1])
     np.testing.assert_array_equal(bonus, [9, 8, 5, 0])
     np.testing.assert_array_equal(path, [[0, 2, 5], [0, 1, 4], [0, 0, 0], [0, 1, 1]])

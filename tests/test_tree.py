@@ -8,6 +8,7 @@ import pytest
 from clover_jax.errors import CloverError
 from clover_jax.tree import (
     DEFAULT_TREES,
+    DynamicTree,
     EAGLE_MC_SIM_7B_63,
     MEDUSA_MC_SIM_7B_63,
     METHOD_HEADS,
@@ -229,12 +230,29 @@ def test_resolve_tree_specs(tmp_path):
     assert resolve_tree(str(f), "clover", 3) == Tree.from_paths(SMALL)
 
 
+def test_resolve_dynamic_trees():
+    """dynamic:N / eagle2:N: N slots (root included, like a static tree's node count), depth = the
+    heads, beam 8 unless the budget needs more candidates (or fewer suffice)."""
+    t = resolve_tree("dynamic:26", "clover2", 5)
+    assert t == DynamicTree("dynamic", 26, 5, 8) and (t.num_nodes, t.max_depth, t.candidates) == (26, 5, 40)
+    assert t.top_p == 0.8 and t.min_ratio == 0.25  # Clover's sampler
+    assert resolve_tree("eagle2:64", "medusa", 4) == DynamicTree("eagle2", 64, 4, 16)
+    assert resolve_tree("eagle2:4", "clover", 3).beam == 3
+    assert resolve_tree("dynamic:10,5", "clover", 3) == DynamicTree("dynamic", 10, 3, 5)
+    assert str(resolve_tree("dynamic:10,5", "clover", 3)) == "dynamic:10,5"
+    assert resolve_tree(t, "clover2", 5) is t
+
+
 @pytest.mark.parametrize(
     "spec, method, heads, message",
     [
         (None, "eagle", 4, r"unknown method 'eagle'"),
         (None, "medusa", 0, r"num_heads must be a positive integer"),
-        ("dynamic:60", "clover", 3, r"dynamic trees are not supported by resolve_tree yet"),
+        ("dynamic:", "clover", 3, r"write dynamic:N \(N tree slots, root included\) or dynamic:N,W"),
+        ("eagle2:9,2,1", "clover", 3, r"write eagle2:N"),
+        ("dynamic:1", "clover", 3, r"needs 2\.\.4096 nodes"),
+        ("dynamic:30,4", "clover", 3, r"dynamic:30 cannot be filled by 3 depths of 4 candidates"),
+        (DynamicTree("eagle2", 9, 4, 4), "clover", 3, r"depth 4 needs more than the 3 draft heads"),
         ("chain:5", "medusa", 4, r"depth 5, more than the 4 heads"),
         ("full:2x3x1", "medusa", 4, r"write chain:D, full:WxD or widths"),
         ("chain:a", "medusa", 4, r"expected integers after 'chain:'"),
