@@ -18,6 +18,8 @@ CACHE_AXES = ("batch", "kv_heads", "length", "head_dim")
 
 @flax.struct.dataclass
 class KVCache:
+    """Per-layer key/value buffers of fixed size S and each sequence's committed length."""
+
     # One [B, K, S, H] buffer per layer: each (sequence, kv head) reads S contiguous slots, the layout
     # attention's two matmuls take as is. (A stacked [L, B, S, K, H] buffer cost a slicing and a
     # transposing copy per layer and step on XLA:CPU, more than the layer's matmuls.)
@@ -28,11 +30,13 @@ class KVCache:
     @classmethod
     def zeros(cls, num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
               dtype=jnp.float32) -> "KVCache":
+        """An empty cache: zero buffers, every length 0."""
         buffers = lambda: tuple(jnp.zeros((batch, num_kv_heads, max_len, head_dim), dtype) for _ in range(num_layers))
         return cls(k=buffers(), v=buffers(), lengths=jnp.zeros((batch,), jnp.int32))
 
     @property
     def max_len(self) -> int:
+        """S, the slots per sequence."""
         return self.k[0].shape[2]
 
     def write(self, layer: int, k_new: jax.Array, v_new: jax.Array) -> "KVCache":

@@ -60,6 +60,8 @@ def save_heads(heads: Heads, base: Llama, out_dir: str | Path, extra: dict | Non
 
 
 def read_heads_config(heads_dir: str | Path) -> dict:
+    """The parsed `heads.json` of a heads directory (method, head count, base model fingerprint), or a
+    one-line error saying what is missing or malformed."""
     path = Path(heads_dir) / CONFIG
     if not path.is_file():
         raise CloverError(f"{heads_dir}: no {CONFIG}; point --heads at a directory written by train.train")

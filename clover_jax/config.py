@@ -79,6 +79,7 @@ class ModelConfig:
 
     @property
     def num_params(self) -> int:
+        """Parameter count of the base model (embeddings and lm_head included)."""
         d, f, n, k, h = self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim
         attn = d * n * h * 2 + d * k * h * 2 + (n * h + 2 * k * h if self.qkv_bias else 0)
         layer = attn + 3 * d * f + 2 * d
@@ -89,6 +90,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """From a parsed Hugging Face config.json; an unsupported model type or setting is a one-line error."""
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise CloverError(
@@ -150,6 +152,7 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
+        """From `model_dir/config.json`."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise CloverError(f"{path}: not found; point --model at a Hugging Face checkpoint directory")
@@ -160,6 +163,7 @@ class ModelConfig:
         return cls.from_hf_dict(hf)
 
     def to_hf_dict(self) -> dict[str, Any]:
+        """A Hugging Face config.json that `transformers` loads back into the same architecture."""
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling:
             _, factor, low, high, orig = self.rope_scaling

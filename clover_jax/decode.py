@@ -29,6 +29,8 @@ BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 1
 
 @flax.struct.dataclass
 class DecodeState:
+    """What plain decoding carries from one step to the next (the while_loop's state)."""
+
     cache: KVCache
     tokens: jax.Array  # [B, M] generated tokens, written left to right
     num_new: jax.Array  # [B] tokens generated so far
@@ -92,6 +94,8 @@ def generate_plain(graphdef, params, prompts, prompt_lens, budgets, keys, *, sam
 
 @dataclasses.dataclass
 class GenerationOutput:
+    """The result of `Generator.generate`: tokens per prompt, plus the counts and times statistics need."""
+
     tokens: list[list[int]]  # per prompt, the new tokens (EOS included when hit)
     steps: int  # forward passes of the batch, the prefill included
     compile_seconds: float  # 0 when the program was already compiled
@@ -124,6 +128,7 @@ def to_host(x: jax.Array) -> np.ndarray:
 
 
 def bucket_for(length: int, buckets: Sequence[int] = BUCKETS) -> int:
+    """The smallest bucket that holds a prompt of `length` tokens."""
     for b in buckets:
         if b >= length:
             return b
@@ -165,6 +170,11 @@ class Generator:
                  sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
                  eos_ids: Sequence[int] | None = None,
                  budgets: Sequence[int] | None = None) -> GenerationOutput:
+        """Generate up to `max_new_tokens` per prompt (token ids), all prompts in one batch.
+
+        `budgets` caps each prompt's new tokens on its own; `eos_ids` defaults to the model config's
+        (pass `()` to never stop early); `seed` seeds per-sequence keys when `sampling` samples.
+        Compiles on the first call with a new batch size, bucket or static setting."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise CloverError("every prompt must have at least one token")
         if max_new_tokens < 1:

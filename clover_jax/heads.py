@@ -32,6 +32,8 @@ DEFAULT_NUM_HEADS = {"medusa": 4, "clover": 3, "clover2": 5}
 
 @dataclasses.dataclass(frozen=True)
 class HeadsConfig:
+    """Which heads (method, count) and their initialisation; saved beside the weights in heads.json."""
+
     method: str
     num_heads: int
     embed_source: str = "lm_head"  # Clover-2's token embedding: "lm_head" (frozen copy) or "input"
@@ -103,9 +105,11 @@ class Heads(nnx.Module):
 
     @property
     def num_heads(self) -> int:
+        """K: the deepest tree these heads can draft."""
         return self.hcfg.num_heads
 
     def init_aug_cache(self, batch: int, max_len: int, dtype) -> KVCache | None:
+        """An empty KV cache for the Augmenting Block, or None for heads without one (Medusa)."""
         c = self.base_cfg
         if not len(self.aug):
             return None
@@ -119,15 +123,20 @@ class Heads(nnx.Module):
         return x, cache
 
     def context(self, base: Llama, hidden, hidden_normed, next_tokens, positions, mask, cache):
+        """(context states [B, T, D] for T positions, updated aug cache); position t is paired with
+        next_tokens[t], the token that follows it."""
         raise NotImplementedError
 
     def node_state(self, base: Llama, k: int, state, token):
+        """The state of a depth-k node holding `token`, from its parent's state (the context for k=0)."""
         raise NotImplementedError
 
     def node_hidden(self, base: Llama, k: int, state, token):
+        """The vector lm_head reads to score a node's children (head k)."""
         raise NotImplementedError
 
     def node_logits(self, base: Llama, k: int, state, token):
+        """Logits [..., V] over the children of a node at depth k."""
         return base.logits(self.node_hidden(base, k, state, token))
 
     def unroll(self, base: Llama, hidden, hidden_normed, tokens) -> jax.Array:

@@ -76,6 +76,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
 
 
 class Attention(nnx.Module):
+    """Grouped-query self-attention with rotary positions, reading and writing the KV cache."""
+
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_proj = Linear(d, n * h, ("embed", "heads"), bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
@@ -132,6 +134,8 @@ class DecoderLayer(nnx.Module):
 
 
 class Embed(nnx.Module):
+    """The token embedding table; with tied embeddings it is the lm_head too."""
+
     def __init__(self, vocab: int, dim: int, *, dtype, rngs: nnx.Rngs):
         self.embedding = param(0.02 * jax.random.normal(rngs.params(), (vocab, dim), dtype), ("vocab", "embed"))
 

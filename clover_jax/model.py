@@ -19,6 +19,8 @@ from clover_jax.layers import DecoderLayer, Embed, Linear, RMSNorm
 
 @flax.struct.dataclass
 class ModelOutput:
+    """One forward pass's result."""
+
     logits: jax.Array | None  # [B, T, V] float32 (None when the caller asked for hidden states only)
     hidden: jax.Array  # [B, T, D] last layer's output, before the final norm
     hidden_normed: jax.Array  # [B, T, D] after the final norm (what lm_head reads)
@@ -38,6 +40,7 @@ class Llama(nnx.Module):
 
     @property
     def dtype(self):
+        """The parameters' dtype (float32 or bfloat16), which the caches take too."""
         return self.embed_tokens.embedding.dtype
 
     def logits(self, hidden_normed: jax.Array) -> jax.Array:
@@ -63,6 +66,7 @@ class Llama(nnx.Module):
         return ModelOutput(logits=logits, hidden=x, hidden_normed=normed, cache=cache)
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty KV cache for `batch` sequences of `max_len` slots."""
         c = self.cfg
         return KVCache.zeros(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim, self.dtype)
 

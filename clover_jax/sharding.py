@@ -71,6 +71,7 @@ def make_mesh(spec: str | dict[str, int] | None = None, devices: Sequence[jax.De
 
 
 def format_mesh(sizes: dict[str, int]) -> str:
+    """`{"data": 2, "model": 4}` -> `data=2,model=4`, the form --mesh takes."""
     return ",".join(f"{k}={v}" for k, v in sizes.items())
 
 

@@ -34,6 +34,8 @@ from clover_jax.tree import DynamicTree, Tree
 
 @flax.struct.dataclass
 class SpecState:
+    """What the speculative loop carries from one step to the next (the while_loop's state)."""
+
     cache: KVCache
     aug_cache: KVCache | None
     context: jax.Array  # [B, D] the heads' context state at the last committed position
@@ -114,6 +116,7 @@ class StepTree:
 
     @classmethod
     def of(cls, tree: Tree) -> "StepTree":
+        """A static tree's constants, shared by the batch."""
         const = lambda x: jnp.asarray(x)[None]
         return cls(const(tree.parents), const(tree.depth), const(tree.ancestor_mask), const(tree.children),
                     jnp.ones((1, tree.num_nodes), bool))
