@@ -128,19 +128,29 @@ class StepTree:
 
 
 def draft_dynamic(base: Llama, heads: Heads, tree: DynamicTree, context: jax.Array, root: jax.Array,
-                  sampling: SamplingConfig = SamplingConfig()):
-    """Tree tokens [B, N] and the StepTree of a dynamic tree (see `DynamicTree`), per sequence.
+                  sampling: SamplingConfig = SamplingConfig(), key: jax.Array | None = None):
+    """Tree tokens [B, N], the StepTree of a dynamic tree (see `DynamicTree`) per sequence, and the
+    distributions [B, N, V] each node's children were drawn from (None when they were chosen).
 
     A beam of W nodes per depth, ranked by joint path log-probability under the heads' distributions
     (softmax of the logits when greedy, `distribution` under the sampling setting otherwise); the D x W
     candidates are then given slots by the tree's rule, in depth-major order, so parents precede
-    children and a node's children sit in decreasing probability."""
+    children and a node's children sit in decreasing probability.
+
+    When sampling, Clover's sampler draws its children instead: the slots of a depth are allotted from
+    the *sorted* probabilities of each frontier node's distribution (the j-th slot of node v scores
+    P(v) q_v's j-th largest), which the draws do not change, and node v's j-th slot holds v's j-th draw
+    without replacement (Gumbel top-k). A node's children are then a prefix of its draws whose length
+    was fixed before drawing them, which is what keeps speculative sampling exact. EAGLE-2's global
+    rerank compares nodes across depths by their drawn values, so eagle2 keeps chosen children (tested
+    as point masses) when sampling."""
     b, w, n, depth = root.shape[0], tree.beam, tree.num_nodes, tree.max_depth
     rows = jnp.arange(b)
+    drawn = not sampling.greedy and tree.kind == "dynamic"
     state0 = heads.node_state(base, 0, context, root)
     f_tok, f_state = root[:, None], state0[:, None]  # the frontier: nodes of depth d-1
     f_logp, f_id = jnp.zeros((b, 1), jnp.float32), jnp.zeros((b, 1), jnp.int32)  # id 0 = root, c + 1 = candidate c
-    cand_tok, cand_logp, cand_parent = [], [], []
+    cand_tok, cand_logp, cand_parent, frontier_q = [], [], [], []
     for d in range(1, depth + 1):
         if heads.token_dependent:
             logits = heads.node_logits(base, d - 1, f_state, f_tok)  # [B, F, V]
@@ -151,17 +161,26 @@ def draft_dynamic(base: Llama, heads: Heads, tree: DynamicTree, context: jax.Arr
         keep = prob > 0
         if tree.kind == "dynamic":  # Clover: the head's top-p nucleus, and at least min_ratio of its top-1
             keep &= (jnp.cumsum(prob, -1) - prob < tree.top_p) & (prob >= tree.min_ratio * prob[..., :1])
-        joint = f_logp[:, :, None] + jnp.where(keep, jnp.log(prob), -jnp.inf)  # [B, F, W]
-        f = joint.shape[1]
-        logp, idx = top_k(joint.reshape(b, f * w), w)  # the level's best W (-inf: none)
+        slot_score = f_logp[:, :, None] + jnp.where(keep, jnp.log(prob), -jnp.inf)  # [B, F, W]
+        if drawn:
+            frontier_q.append(q)
+            keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(key, d)
+            gumbel = jax.vmap(lambda k, x: jax.random.gumbel(k, x.shape))(keys, q)
+            tok = top_k(jnp.log(q) + gumbel, w)[1]  # draws without replacement, in draw order
+            prob = jnp.take_along_axis(q, tok, -1)
+        f = slot_score.shape[1]
+        score, idx = top_k(slot_score.reshape(b, f * w), w)  # the level's best W slots (-inf: none)
         parent = idx // w
-        f_tok = jnp.take_along_axis(jnp.broadcast_to(tok, (b, f, w)).reshape(b, f * w), idx, 1).astype(jnp.int32)
+        flat = lambda x: jnp.take_along_axis(jnp.broadcast_to(x, (b, f, w)).reshape(b, f * w), idx, 1)
+        f_tok = flat(tok).astype(jnp.int32)
         cand_tok.append(f_tok)
-        cand_logp.append(logp)
+        cand_logp.append(score)
         cand_parent.append(jnp.take_along_axis(f_id, parent, 1))
         if heads.token_dependent and d < depth:
             f_state = heads.node_state(base, d, jnp.take_along_axis(f_state, parent[:, :, None], 1), f_tok)
-        f_logp, f_id = logp, jnp.broadcast_to(1 + (d - 1) * w + jnp.arange(w, dtype=jnp.int32), (b, w))
+        # A node's own joint probability (its drawn token's, when drawn) ranks its children's slots.
+        joint = jnp.where(score > -jnp.inf, flat(f_logp[:, :, None] + jnp.log(prob)), -jnp.inf)
+        f_logp, f_id = joint, jnp.broadcast_to(1 + (d - 1) * w + jnp.arange(w, dtype=jnp.int32), (b, w))
 
     tok, logp, parent = (jnp.concatenate(x, 1) for x in (cand_tok, cand_logp, cand_parent))  # [B, D*W]
     ok = logp > -jnp.inf
@@ -189,7 +208,14 @@ def draft_dynamic(base: Llama, heads: Heads, tree: DynamicTree, context: jax.Arr
     children = jnp.full((b, n, w), -1, jnp.int32).at[
         rows[:, None], jnp.where(parents >= 0, parents, n), sibling_rank].set(
         jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n)), mode="drop")
-    return tokens, StepTree(parents, node_depth, ancestors, children, valid)
+    draws = None
+    if drawn:  # each node's distribution at its slot: the root's, then each depth's frontier nodes'
+        draws = jnp.zeros((b, n, q.shape[-1]), jnp.float32).at[:, 0].set(frontier_q[0][:, 0])
+        for d in range(2, depth + 1):
+            ids = (d - 2) * w + jnp.arange(w)  # candidates of depth d-1: the frontier of depth d
+            draws = draws.at[rows[:, None], slot[:, ids]].set(
+                jnp.broadcast_to(frontier_q[d - 1], (b, w, q.shape[-1])), mode="drop")
+    return tokens, StepTree(parents, node_depth, ancestors, children, valid), draws
 
 
 def path_to(st: StepTree, best: jax.Array, max_depth: int) -> jax.Array:
@@ -334,8 +360,8 @@ def generate_speculative(graphdefs, params, prompts, prompt_lens, budgets, keys,
     def body(s: SpecState):
         key = step_keys(s.keys, s.step + 1)
         if dynamic:
-            tokens, st = draft_dynamic(base, heads, tree, s.context, s.root, sampling)  # [B, N]
-            draws = None
+            tokens, st, node_q = draft_dynamic(base, heads, tree, s.context, s.root, sampling, key)  # [B, N]
+            draws = None if node_q is None else (lambda d, node: node_q[jnp.arange(b), node])
         else:
             tokens, dists = draft(base, heads, tree, s.context, s.root, sampling, key)  # [B, N]
             st, draws = static_tree, (None if sampling.greedy else level_draws(tree, dists))

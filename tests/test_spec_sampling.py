@@ -77,8 +77,8 @@ def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
 def table_heads(base) -> TableHeads:
     """Heads that know the base model's bigram statistics: head d at a node holding token a proposes
     P(t_{d+2} = b | t_{d+1} = a) from the exact joint at temperature 1. Random heads draft well enough
-    for trees whose children are sampled, but a dynamic tree takes each node's most likely children,
-    and with uninformed heads those are rarely accepted past depth 1."""
+    for static trees, but a dynamic tree spends its budget where the heads are confident, and with
+    uninformed heads its drafts are rarely accepted past depth 1."""
     joint = exact_joint(base, SamplingConfig(temperature=1.0))
     pairs = [joint.sum(axis=tuple(i for i in range(NEW) if i not in (d, d + 1))) for d in range(NEW - 1)]
     table = np.stack([np.log(p / p.sum(-1, keepdims=True) + 1e-9) for p in pairs])
@@ -111,8 +111,8 @@ def p_values(tokens: np.ndarray, joint: np.ndarray) -> dict[str, float]:
             "t3,t4": chi_square_p(counts([2, 3]), marg([2, 3]))}
 
 
-# Dynamic trees choose their children instead of drawing them (and test each against a point mass);
-# "table" heads know the base model's bigrams (see table_heads).
+# Dynamic trees: Clover's sampler draws its children into a shape fixed beforehand, eagle2 chooses them
+# (each tested against a point mass); "table" heads know the base model's bigrams (see table_heads).
 CASES = [("medusa", SamplingConfig(temperature=1.0), TREE), ("clover", SamplingConfig(temperature=1.0), TREE),
          ("clover2", SamplingConfig(temperature=1.0), TREE), ("clover2", SamplingConfig(temperature=0.7), TREE),
          ("clover", SamplingConfig(temperature=1.0, top_p=0.9), TREE),

@@ -355,10 +355,11 @@ def test_dynamic_tree_matches_a_plain_python_reference(kind):
     probs = np.exp(table) / np.exp(table).sum(-1, keepdims=True)
     tree = DynamicTree(kind, n, depth, beam)
     roots = np.arange(vocab, dtype=np.int32)
-    tokens, st = jax.jit(draft_dynamic, static_argnums=(0, 2))(
+    tokens, st, draws = jax.jit(draft_dynamic, static_argnums=(0, 2))(
         None, heads, tree, jnp.zeros((vocab, 4)), jnp.asarray(roots))
     tokens, parents, node_depth, anc, children, valid = map(
         np.asarray, (tokens, st.parents, st.depth, st.ancestors, st.children, st.valid))
+    assert draws is None  # greedy: children are chosen, not drawn
     assert tokens.shape == (vocab, n) and valid.sum(1).max() <= n
     for b, root in enumerate(roots):
         assert tokens[b, 0] == root and valid[b, 0] and parents[b, 0] == -1
@@ -375,6 +376,28 @@ def test_dynamic_tree_matches_a_plain_python_reference(kind):
             assert kids == [c for c in np.flatnonzero(valid[b] & (parents[b] == i))]
             q = [probs[node_depth[b, i], tokens[b, i], tokens[b, c]] for c in kids]
             assert q == sorted(q, reverse=True)
+
+
+def test_sampled_dynamic_tree_draws_children_into_a_fixed_shape():
+    """Sampling with Clover's sampler: how many children a node gets is settled before its children are
+    drawn (here the root's, from its sorted probabilities alone), so it is the same under every key;
+    the children themselves are draws without replacement (distinct, varying with the key), and the
+    distribution returned at each node is the one they were drawn from."""
+    depth, vocab = 2, 12
+    table = np.random.default_rng(1).normal(0, 1.0, (depth, vocab, vocab))
+    heads = TableHeads(ModelConfig.tiny(vocab_size=vocab), table)
+    tree = DynamicTree("dynamic", 6, depth, 4)
+    run = jax.jit(draft_dynamic, static_argnums=(0, 2, 5))
+    root = jnp.full((64,), 3, jnp.int32)
+    keys = jax.random.key_data(jax.random.split(jax.random.key(0), 64))
+    tokens, st, draws = run(None, heads, tree, jnp.zeros((64, 4)), root, SamplingConfig(temperature=1.0), keys)
+    tokens, children = np.asarray(tokens), np.asarray(st.children)
+    kids = (children[:, 0] >= 0).sum(1)
+    assert (kids == kids[0]).all() and kids[0] >= 1
+    first = [tuple(tokens[b, children[b, 0, : kids[0]]]) for b in range(64)]
+    assert all(len(set(f)) == len(f) for f in first) and len(set(first)) > 1
+    q_root = np.exp(table[0, 3]) / np.exp(table[0, 3]).sum()
+    np.testing.assert_allclose(np.asarray(draws)[:, 0], np.broadcast_to(q_root, (64, vocab)), rtol=1e-5)
 
 
 # ---------------------------------------------------------------- accept and compact by hand
