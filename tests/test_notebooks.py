@@ -6,6 +6,7 @@ of the Hub's, and two virtual CPU devices to shard over.
 """
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -19,7 +20,10 @@ NOTEBOOKS = REPO / "notebooks"
 
 
 def execute(name: str, monkeypatch, **env) -> tuple[nbformat.NotebookNode, str]:
-    """Run a notebook with `env` set; (the executed notebook, everything its cells printed)."""
+    """Run a notebook with `env` set (and no other CLOVER_NB_* variable); (the executed notebook, everything
+    its cells printed)."""
+    for key in [k for k in os.environ if k.startswith("CLOVER_NB_")]:
+        monkeypatch.delenv(key)
     for key, value in env.items():
         monkeypatch.setenv(key, str(value))
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
@@ -38,9 +42,9 @@ def test_quickstart_runs(monkeypatch):
     assert "tokens per base-model pass" in printed
 
 
-def test_training_notebook_trains_heads_that_beat_fresh_ones(monkeypatch):
-    nb, printed = execute("02_train_clover2.ipynb", monkeypatch, CLOVER_NB_PROMPTS=16, CLOVER_NB_NEW_TOKENS=32,
-                          CLOVER_NB_STEPS=20, CLOVER_NB_EVAL_PROMPTS=4)
+def test_training_notebook_trains_heads_that_beat_fresh_ones(monkeypatch, tmp_path):
+    nb, printed = execute("02_train_clover2.ipynb", monkeypatch, CLOVER_NB_WORK=tmp_path, CLOVER_NB_PROMPTS=16,
+                          CLOVER_NB_NEW_TOKENS=32, CLOVER_NB_STEPS=20, CLOVER_NB_EVAL_PROMPTS=4)
     assert "wrote 16 examples" in printed
     first, last = map(float, re.search(r"loss ([\d.]+) at step 10 -> ([\d.]+) at step 20", printed).groups())
     assert last < first
@@ -90,3 +94,13 @@ def test_llama3_notebook_on_a_tiny_local_checkpoint(monkeypatch, tmp_path):
     assert "same text as plain decoding: True" in printed
     assert "2/2 answers identical to plain decoding" in printed
     assert images(nb) == 2  # training curves; acceptance per depth
+
+
+def test_llama3_notebook_without_hub_model_or_accelerator_skips_each_cell_in_one_line(monkeypatch, tmp_path):
+    nb, printed = execute("03_llama3_8b_tpu.ipynb", monkeypatch, CLOVER_NB_WORK=tmp_path)
+    skips = [line for line in printed.splitlines() if line.startswith("skipped:")]
+    # download, sample, data, training, load and plain chat, Clover-2 chat, speedup: one line each, same reason
+    assert len(skips) == 7 and len(set(skips)) == 1, skips
+    assert "Meta-Llama-3-8B-Instruct is to come from the Hugging Face Hub and this runtime has no TPU or GPU" in skips[0]
+    assert "| TPU v5e-8 | `model=8` | 2.01 + 0.41 GB |" in printed  # the paper arithmetic needs neither
+    assert not any(tmp_path.iterdir())
