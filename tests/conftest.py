@@ -126,8 +126,6 @@ def tiny_tokenizer():
 def save_tiny_llama(out, vocab_size: int, seed: int = 0, **config):
     """A tiny random Llama written by `transformers` into `out` (config.json, generation_config.json,
     model.safetensors), as a user's checkpoint would be; `config` overrides LlamaConfig fields."""
-    from transformers import LlamaConfig
-
     fields = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                   bos_token_id=1, eos_token_id=0, pad_token_id=0)
