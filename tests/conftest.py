@@ -27,6 +27,7 @@ from transformers import (
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import Generator
 from clover_jax.heads import Heads, HeadsConfig
+from train import tokenizer as tokenizer_lib
 
 VOCAB = 64
 EOS, BOS, PAD = 2, 1, 0
@@ -113,6 +114,35 @@ def loaded(hf_checkpoint):
 def llama2_generator(loaded):
     """One Generator over the llama2 model for the whole session, so its compiled programs are shared."""
     return Generator(loaded("llama2")[3])
+
+
+# What the tiny tokenizers are trained on: repeated, so byte-level BPE learns merges (ids >= 258).
+TOKENIZER_TEXTS = ["def add(a, b):\n    return a + b\n", "class Point:\n    def __init__(self, x):\n        self.x = x\n",
+                   "import os\nprint(os.getcwd())\n", "for i in range(10):\n    print(i)\n"] * 4
+
+
+def tiny_tokenizer():
+    """The repository's byte-level BPE tokenizer trained on TOKENIZER_TEXTS (vocabulary 300)."""
+    return tokenizer_lib.train_tokenizer(TOKENIZER_TEXTS, vocab_size=300)
+
+
+def save_tiny_llama(out, vocab_size: int, seed: int = 0, **config):
+    """A tiny random Llama written by `transformers` into `out` (config.json, generation_config.json,
+    model.safetensors), as a user's checkpoint would be; `config` overrides LlamaConfig fields."""
+    fields = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  bos_token_id=1, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(seed)
+    LlamaForCausalLM(LlamaConfig(**{**fields, **config})).save_pretrained(out)
+    return out
+
+
+def tiny_llama_checkpoint(out, seed: int = 0, **config):
+    """`save_tiny_llama` with `tiny_tokenizer` (chat template included) saved beside it: a Hugging Face
+    chat model's directory in miniature."""
+    tok = tiny_tokenizer()
+    tokenizer_lib.save_tokenizer(tok, out)
+    return save_tiny_llama(out, tok.get_vocab_size(), seed, **config)
 
 
 def hf_logits(model: torch.nn.Module, tokens) -> np.ndarray:

@@ -18,8 +18,8 @@ from clover_jax.convert import load_pretrained
 from clover_jax.decode import Generator
 from clover_jax.model import Llama
 from clover_jax.sampling import SamplingConfig
+from conftest import tiny_llama_checkpoint
 from infer import cli, generate
-from train import tokenizer as tokenizer_lib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FLAGS = ("--model", "--prompt", "--prompts", "--chat", "--method", "--max-new-tokens", "--temperature",
@@ -27,25 +27,12 @@ FLAGS = ("--model", "--prompt", "--prompts", "--chat", "--method", "--max-new-to
          "--heads", "--tree", "--num-heads", "--mesh", "--coordinator", "--num-processes", "--process-id")
 STATS = re.compile(r"^\[(plain|medusa|clover|clover2)\] new_tokens=\d+ steps=\d+ tau=[\d.]+ tokens/s=[\d.]+ "
                    r"compile=[\d.]+s run=[\d.]+s$")
-TEXTS = ["def add(a, b):\n    return a + b\n", "class Point:\n    def __init__(self, x):\n        self.x = x\n",
-         "import os\nprint(os.getcwd())\n", "for i in range(10):\n    print(i)\n"] * 4
 NEW = 6  # new tokens per prompt in every test, so most tests share one compiled shape
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    out = tmp_path_factory.mktemp("tiny-llama")
-    tok = tokenizer_lib.train_tokenizer(TEXTS, vocab_size=300)
-    tokenizer_lib.save_tokenizer(tok, out)
-    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=64, bos_token_id=1, eos_token_id=0, pad_token_id=0)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out)
-    return out
+    return tiny_llama_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,11 @@ from clover_jax.decode import Generator
 from clover_jax.errors import CloverError
 from clover_jax.model import causal_self_mask
 from clover_jax.sampling import SamplingConfig
+from conftest import save_tiny_llama, tiny_llama_checkpoint
 from infer import cli
 from train import make_data
-from train import tokenizer as tokenizer_lib
 from train.data import HeadDataset
 
-TEXTS = ["def add(a, b):\n    return a + b\n", "class Point:\n    def __init__(self, x):\n        self.x = x\n",
-         "import os\nprint(os.getcwd())\n", "for i in range(10):\n    print(i)\n"] * 4
 RECORDS = [{"prompt": "def add(a, b):", "response": "\n    return a + b\n"},
            {"prompt": "class Point:", "response": "\n    def __init__(self, x):\n        self.x = x\n" * 3},
            {"prompt": "import os", "response": "\nprint(os.getcwd())"},
@@ -31,24 +29,9 @@ RECORDS = [{"prompt": "def add(a, b):", "response": "\n    return a + b\n"},
 NEW = 6
 
 
-def _tiny_llama(out, vocab_size):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         bos_token_id=1, eos_token_id=0, pad_token_id=0)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny-llama")
-    tok = tokenizer_lib.train_tokenizer(TEXTS, vocab_size=300)
-    tokenizer_lib.save_tokenizer(tok, out)
-    return _tiny_llama(out, tok.get_vocab_size())
+    return tiny_llama_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +205,7 @@ def test_dataset_checks_base_and_vocab(fixed_dir, model, tmp_path):
     data.check_base(model)
     data.check_vocab(model.cfg.vocab_size)
     with pytest.raises(CloverError, match="another base model"):
-        data.check_base(load_pretrained(_tiny_llama(tmp_path / "other", model.cfg.vocab_size + 1))[1])
+        data.check_base(load_pretrained(save_tiny_llama(tmp_path / "other", model.cfg.vocab_size + 1))[1])
     with pytest.raises(CloverError, match="vocabulary"):
         data.check_vocab(model.cfg.vocab_size - 1)
 
@@ -275,7 +258,7 @@ def test_bad_input_is_one_error_line(case, model_dir, prompts_file, hf_tok, tmp_
         small.mkdir()
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             (small / name).write_bytes((model_dir / name).read_bytes())
-        _tiny_llama(small, 258)  # the tokenizer's merges have ids >= 258
+        save_tiny_llama(small, 258)  # the tokenizer's merges have ids >= 258
         argv, needle = ["--base", small, "--out", out, "--prompts", prompts_file], "outside the model's vocabulary"
     else:
         out.mkdir()

@@ -29,6 +29,7 @@ from clover_jax.checkpoint import load_heads
 from clover_jax.convert import load_pretrained
 from clover_jax.heads import METHODS, HeadsConfig, make_heads
 from clover_jax.model import causal_self_mask
+from conftest import save_tiny_llama, tiny_tokenizer
 from infer import generate
 from train import losses
 from train import make_data
@@ -36,8 +37,6 @@ from train import tokenizer as tokenizer_lib
 from train import train
 from train.data import HeadDataset
 
-TEXTS = ["def add(a, b):\n    return a + b\n", "class Point:\n    def __init__(self, x):\n        self.x = x\n",
-         "import os\nprint(os.getcwd())\n", "for i in range(10):\n    print(i)\n"] * 4
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RECORDS = [{"prompt": p, "response": r * n} for n in (1, 2, 3)
            for p, r in [("def add(a, b):", "\n    return a + b\n"), ("class Point:", "\n    def __init__(self, x):\n"),
@@ -221,27 +220,16 @@ def _sha256(path):
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _tiny_llama(out, vocab_size, seed):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         bos_token_id=1, eos_token_id=0, pad_token_id=0)
-    torch.manual_seed(seed)
-    LlamaForCausalLM(config).save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="module")
 def tok():
-    return tokenizer_lib.train_tokenizer(TEXTS, vocab_size=300)
+    return tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, tok):
     out = tmp_path_factory.mktemp("tiny-llama")
     tokenizer_lib.save_tokenizer(tok, out)
-    return _tiny_llama(out, tok.get_vocab_size(), seed=0)
+    return save_tiny_llama(out, tok.get_vocab_size(), seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -369,7 +357,7 @@ def other_base(tok, tmp_path_factory):
     """A second tiny model with the same tokenizer and shapes but other weights."""
     out = tmp_path_factory.mktemp("other-llama")
     tokenizer_lib.save_tokenizer(tok, out)
-    return _tiny_llama(out, tok.get_vocab_size(), seed=1)
+    return save_tiny_llama(out, tok.get_vocab_size(), seed=1)
 
 
 @pytest.mark.parametrize("case", ["missing dir", "empty dir", "foreign meta", "other base", "seq-len too long",
