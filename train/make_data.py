@@ -42,10 +42,11 @@ from tqdm import tqdm
 from clover_jax.checkpoint import base_fingerprint
 from clover_jax.config import ModelConfig
 from clover_jax.convert import load_pretrained
-from clover_jax.decode import BUCKETS, Generator, bucket_for
+from clover_jax.decode import BUCKETS, Generator, bucket_for, to_host
 from clover_jax.errors import CloverError
 from clover_jax.model import Llama, causal_self_mask
 from clover_jax.sampling import SamplingConfig
+from clover_jax.sharding import make_mesh, put_batch
 from infer import cli
 from train.data import FILES, HIDDEN_DTYPES, META
 
@@ -97,10 +98,10 @@ def _check_ids(ids: list[int], vocab: int, where: str) -> None:
 
 
 def self_distill(model: Llama, prompts: list[list[int]], max_new_tokens: int, max_len: int, batch_size: int,
-                 sampling: SamplingConfig, seed: int, eos: tuple[int, ...]) -> list[list[int]]:
+                 sampling: SamplingConfig, seed: int, eos: tuple[int, ...], mesh=None) -> list[list[int]]:
     """The base model's own responses (EOS included when hit). Batch k uses seed + k; the last batch
     is padded with copies of its first prompt so every batch has one compiled shape."""
-    gen = Generator(model, max_len=max_len)
+    gen = Generator(model, max_len=max_len, mesh=mesh)
     out: list[list[int]] = []
     groups = cli.batches(prompts, batch_size)
     for k, group in enumerate(tqdm(groups, desc="generate", unit="batch", dynamic_ncols=True)):
@@ -123,7 +124,7 @@ def _last_hidden(graphdef, params, tokens: jax.Array, *, dtype: str) -> jax.Arra
 
 
 def write_hidden(model: Llama, tokens: np.ndarray, offsets: np.ndarray, out: np.ndarray, batch_size: int,
-                 max_len: int) -> None:
+                 max_len: int, mesh=None) -> None:
     """Fill `out` [N, D] with the hidden state at every token, one causal forward per example.
 
     Examples go through in order of length, right-padded to a length bucket (so a few programs are
@@ -137,7 +138,8 @@ def write_hidden(model: Llama, tokens: np.ndarray, offsets: np.ndarray, out: np.
         batch = np.zeros((batch_size, t), np.int32)
         for row, e in enumerate(group):
             batch[row, : lengths[e]] = tokens[offsets[e]: offsets[e + 1]]
-        hidden = np.asarray(_last_hidden(graphdef, params, jnp.asarray(batch), dtype=out.dtype.name))
+        batch = jnp.asarray(batch) if mesh is None else put_batch(batch, mesh)
+        hidden = to_host(_last_hidden(graphdef, params, batch, dtype=out.dtype.name))
         for row, e in enumerate(group):
             out[offsets[e]: offsets[e + 1]] = hidden[row, : lengths[e]]
 
@@ -197,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, metavar="N", help="use only the first N records of the file")
     p.add_argument("--seed", type=int, default=0, metavar="S",
                    help="self mode: sampling seed; generation batch k uses S+k (default: %(default)s)")
+    p.add_argument("--mesh", metavar="SPEC",
+                   help="shard the base model over this process's devices, e.g. model=8 or data=2,model=4 (axes "
+                        "data, fsdp, model; --batch-size must divide by data x fsdp); default: one device")
     return p
 
 
@@ -236,12 +241,13 @@ def make_data(args: argparse.Namespace) -> int:
             _check_ids(ids, cfg.vocab_size, where)
             responses.append(ids)
 
-    _, model = load_pretrained(base_dir, dtype=DTYPES[args.dtype])
+    mesh = make_mesh(args.mesh) if args.mesh else None
+    _, model = load_pretrained(base_dir, dtype=DTYPES[args.dtype], mesh=mesh)
     out = Path(args.out)
     _prepare_out(out)
     if args.mode == "self":
         responses = self_distill(model, prompts, args.max_new_tokens, max_len, args.batch_size, sampling,
-                                 args.seed, eos)
+                                 args.seed, eos, mesh)
     examples = [(p, r[: max_len - len(p)]) for p, r in zip(prompts, responses)]
     empty = sum(1 for _, r in examples if not r)
     examples = [(p, r) for p, r in examples if r]
@@ -258,7 +264,7 @@ def make_data(args: argparse.Namespace) -> int:
         tmp = out / "hidden.npy.tmp"
         hidden = np.lib.format.open_memmap(tmp, mode="w+", dtype=HIDDEN_DTYPES[hidden_dtype],
                                            shape=(len(tokens), cfg.hidden_size))
-        write_hidden(model, tokens, offsets, hidden, args.batch_size, max_len)
+        write_hidden(model, tokens, offsets, hidden, args.batch_size, max_len, mesh)
         hidden.flush()
         del hidden
         os.replace(tmp, out / "hidden.npy")
