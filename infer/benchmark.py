@@ -363,18 +363,19 @@ def plot(rows: list[Row], out: str) -> None:
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_title(title)
         ax.legend()
-    for r in rows:
-        if r.accept_per_depth and r.batch_size == sizes[0]:
-            axes[2].plot(range(1, len(r.accept_per_depth) + 1), r.accept_per_depth, marker="o",
-                         label=label(r.method, r.tree, r.temperature))
+    curves = [r for r in rows if r.accept_per_depth and r.batch_size == sizes[0]]
+    for r in curves:  # sampled rows dashed
+        axes[2].plot(range(1, len(r.accept_per_depth) + 1), r.accept_per_depth, marker="o",
+                     ls="--" if r.temperature else "-", label=label(r.method, r.tree, r.temperature))
     axes[2].set_title(f"steps accepting >= d drafted tokens (batch {sizes[0]})")
     axes[2].set_xlabel("depth d")
     axes[2].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     axes[2].set_ylim(0, 1)
-    axes[2].legend()
+    if curves:  # beside the panel: with many rows a legend inside would hide the curves
+        axes[2].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1), ncol=1 + len(curves) // 16)
     fig.tight_layout()
     tmp = Path(out).with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    fig.savefig(tmp, dpi=110, bbox_inches="tight")
     os.replace(tmp, out)
     plt.close(fig)
 
