@@ -113,7 +113,8 @@ def p_values(tokens: np.ndarray, joint: np.ndarray) -> dict[str, float]:
 
 # Dynamic trees: Clover's sampler draws its children into a shape fixed beforehand, eagle2 chooses them
 # (each tested against a point mass); "table" heads know the base model's bigrams (see table_heads).
-CASES = [("medusa", SamplingConfig(temperature=1.0), TREE), ("clover2", SamplingConfig(temperature=1.0), TREE), ("clover2", SamplingConfig(temperature=0.7), TREE),
+CASES = [("medusa", SamplingConfig(temperature=1.0), TREE),
+         ("clover2", SamplingConfig(temperature=1.0), TREE), ("clover2", SamplingConfig(temperature=0.7), TREE),
          ("clover", SamplingConfig(temperature=1.0, top_p=0.9), TREE),
          ("table", SamplingConfig(temperature=1.0), "eagle2:7"),
          ("table", SamplingConfig(temperature=0.7, top_p=0.9), "dynamic:7")]
