@@ -18,8 +18,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
+from clover_jax.convert import write_safetensors
 from clover_jax.errors import CloverError
 from clover_jax.heads import Heads, HeadsConfig, make_heads
 from clover_jax.model import Llama
@@ -47,9 +48,7 @@ def save_heads(heads: Heads, base: Llama, out_dir: str | Path, extra: dict | Non
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: np.asarray(jax.device_get(v)) for k, v in _flat_params(heads).items()}
-    tmp = out / (WEIGHTS + ".tmp")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, out / WEIGHTS)
+    write_safetensors(tensors, out / WEIGHTS)
     meta = {"heads": dataclasses.asdict(heads.hcfg), "base_fingerprint": base_fingerprint(base),
             "base_model_type": base.cfg.model_type, "base_hidden_size": base.cfg.hidden_size,
             "base_vocab_size": base.cfg.vocab_size, **(extra or {})}

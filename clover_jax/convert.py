@@ -136,6 +136,18 @@ def _atomic_replace(tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
 
 
+def write_safetensors(tensors: dict[str, np.ndarray], path: Path, metadata: dict | None = None) -> None:
+    """Write a safetensors file atomically (a temporary name, renamed into place), readable as any new
+    file is: safetensors creates its files owner-only (0600), which would hide exported weights from
+    the other users of a shared machine."""
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    _atomic_replace(tmp, path)
+
+
 def save_pretrained(model: Llama, out_dir: str | Path, dtype=jnp.bfloat16,
                     shard_bytes: int = _SHARD_BYTES) -> None:
     """Write `model` as a HF checkpoint (config.json + safetensors, sharded with an index when large).
@@ -161,9 +173,7 @@ def save_pretrained(model: Llama, out_dir: str | Path, dtype=jnp.bfloat16,
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     for fname, shard in zip(names, shards):
-        tmp = out / (fname + ".tmp")
-        save_file(shard, str(tmp), metadata={"format": "pt"})
-        _atomic_replace(tmp, out / fname)
+        write_safetensors(shard, out / fname, metadata={"format": "pt"})
     if len(shards) > 1:
         index = {"metadata": {"total_size": int(sum(t.nbytes for t in tensors.values()))},
                  "weight_map": {n: f for f, s in zip(names, shards) for n in s}}

@@ -1,6 +1,8 @@
 """Heads on disk: exact round trip, and one clear line for every wrong heads directory."""
 
 import json
+import os
+import stat
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +13,7 @@ from safetensors.numpy import load_file, save_file
 
 from clover_jax.checkpoint import WEIGHTS, base_fingerprint, load_heads, save_heads
 from clover_jax.config import ModelConfig
+from clover_jax.convert import save_pretrained
 from clover_jax.errors import CloverError
 from clover_jax.heads import HeadsConfig, make_heads
 from clover_jax.model import Llama
@@ -31,6 +34,18 @@ def test_round_trip_is_exact(method, base, tmp_path):
     meta = json.loads((tmp_path / "heads.json").read_text())
     assert meta["base_fingerprint"] == base_fingerprint(base) and meta["note"] == "x"
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_saved_files_take_the_umask_like_any_new_file(base, tmp_path):
+    """safetensors creates files owner-only; exported heads and models are readable as the umask says."""
+    old = os.umask(0o022)
+    try:
+        save_heads(make_heads(HeadsConfig("medusa", 1), base), base, tmp_path / "heads")
+        save_pretrained(base, tmp_path / "model")
+    finally:
+        os.umask(old)
+    for f in ("heads/heads.safetensors", "heads/heads.json", "model/model.safetensors", "model/config.json"):
+        assert stat.S_IMODE((tmp_path / f).stat().st_mode) == 0o644, f
 
 
 def test_fingerprint_ignores_dtype_but_not_weights(base):
