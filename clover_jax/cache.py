@@ -68,8 +68,10 @@ def causal_mask(lengths: jax.Array, num_new: int, max_len: int) -> jax.Array:
 
 def tree_mask(lengths: jax.Array, ancestor_mask: jax.Array, max_len: int) -> jax.Array:
     """[B, N, S] mask for a tree of N nodes written after `lengths[b]` committed tokens: each node reads
-    the committed prefix and its own ancestors (itself included), given by `ancestor_mask` [N, N] (one
-    tree for the batch) or [B, N, N] (a tree per sequence)."""
+    the committed prefix and its own ancestors (itself included), given by `ancestor_mask` [N, N] or
+    [1, N, N] (one tree for the batch) or [B, N, N] (a tree per sequence)."""
+    if ancestor_mask.ndim == 3 and ancestor_mask.shape[0] == 1:
+        ancestor_mask = ancestor_mask[0]
     b, n = lengths.shape[0], ancestor_mask.shape[-1]
     slot = jnp.arange(max_len)
     rel = slot[None, :] - lengths[:, None]  # [B, S]: position of each slot inside the tree

@@ -83,6 +83,13 @@ def step_keys(keys: jax.Array, step: jax.Array) -> jax.Array:
     return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
 
 
+def draw_without_replacement(q: jax.Array, keys: jax.Array, k: int) -> jax.Array:
+    """k draws without replacement from each row of q [B, ..., V], in draw order (Gumbel top-k), with
+    per-sequence keys [B, 2]: indices [B, ..., k]."""
+    gumbel = jax.vmap(lambda key, x: jax.random.gumbel(key, x.shape))(keys, q)
+    return top_k(jnp.log(q) + gumbel, k)[1]
+
+
 def sample(logits: jax.Array, keys: jax.Array, cfg: SamplingConfig) -> jax.Array:
     """Draw one token per row. logits [B, V], keys [B, 2] -> [B] int32."""
     if cfg.greedy:

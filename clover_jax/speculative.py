@@ -27,7 +27,7 @@ from clover_jax.decode import Generator, prefill
 from clover_jax.errors import CloverError
 from clover_jax.heads import Heads
 from clover_jax.model import Llama
-from clover_jax.sampling import SamplingConfig, distribution, sample, step_keys, top_k
+from clover_jax.sampling import SamplingConfig, distribution, draw_without_replacement, sample, step_keys, top_k
 from clover_jax.sharding import constrain_cache, shard_module
 from clover_jax.tree import DynamicTree, Tree
 
@@ -85,13 +85,11 @@ def draft(base: Llama, heads: Heads, tree: Tree, context: jax.Array, root: jax.A
         else:
             logits = heads.node_logits(base, d - 1, state0, root)[:, None]  # one distribution per depth
         if sampling.greedy:
-            scores = logits
+            top = top_k(logits, tree.max_rank[d - 1])[1]  # [B, n_{d-1} or 1, k]
         else:
             q = distribution(logits, sampling)
             dists.append(q)
-            scores = jnp.log(q) + jax.vmap(lambda k, x: jax.random.gumbel(k, x.shape))(
-                jax.vmap(jax.random.fold_in, in_axes=(0, None))(key, d), q)
-        top = top_k(scores, tree.max_rank[d - 1])[1]  # [B, n_{d-1} or 1, k]
+            top = draw_without_replacement(q, step_keys(key, d), tree.max_rank[d - 1])
         parent_idx = tree.parents[level] - prev.start  # index inside the previous level
         if not heads.token_dependent:
             parent_idx = np.zeros_like(parent_idx)
@@ -164,9 +162,7 @@ def draft_dynamic(base: Llama, heads: Heads, tree: DynamicTree, context: jax.Arr
         slot_score = f_logp[:, :, None] + jnp.where(keep, jnp.log(prob), -jnp.inf)  # [B, F, W]
         if drawn:
             frontier_q.append(q)
-            keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(key, d)
-            gumbel = jax.vmap(lambda k, x: jax.random.gumbel(k, x.shape))(keys, q)
-            tok = top_k(jnp.log(q) + gumbel, w)[1]  # draws without replacement, in draw order
+            tok = draw_without_replacement(q, step_keys(key, d), w)  # in draw order
             prob = jnp.take_along_axis(q, tok, -1)
         f = slot_score.shape[1]
         score, idx = top_k(slot_score.reshape(b, f * w), w)  # the level's best W slots (-inf: none)
@@ -366,8 +362,7 @@ def generate_speculative(graphdefs, params, prompts, prompt_lens, budgets, keys,
             tokens, dists = draft(base, heads, tree, s.context, s.root, sampling, key)  # [B, N]
             st, draws = static_tree, (None if sampling.greedy else level_draws(tree, dists))
         c = s.cache
-        ancestors = st.ancestors if dynamic else st.ancestors[0]
-        out = base(tokens, c.lengths[:, None] + st.depth, tree_mask(c.lengths, ancestors, cache_len), c)
+        out = base(tokens, c.lengths[:, None] + st.depth, tree_mask(c.lengths, st.ancestors, cache_len), c)
         if sampling.greedy:
             best, bonus, path = accept_greedy(st, tokens, out.logits, depth)
         else:
