@@ -26,13 +26,15 @@ class KVCache:
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
     lengths: jax.Array  # [B] int32: slots [0, lengths[b]) hold sequence b's committed tokens
+    # Static: nothing committed yet (a new cache until its first `advance`), so attention skips reading it.
+    fresh: bool = flax.struct.field(pytree_node=False, default=False)
 
     @classmethod
     def zeros(cls, num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
               dtype=jnp.float32) -> "KVCache":
         """An empty cache: zero buffers, every length 0."""
         buffers = lambda: tuple(jnp.zeros((batch, num_kv_heads, max_len, head_dim), dtype) for _ in range(num_layers))
-        return cls(k=buffers(), v=buffers(), lengths=jnp.zeros((batch,), jnp.int32))
+        return cls(k=buffers(), v=buffers(), lengths=jnp.zeros((batch,), jnp.int32), fresh=True)
 
     @property
     def max_len(self) -> int:
@@ -40,13 +42,16 @@ class KVCache:
         return self.k[0].shape[2]
 
     def write(self, layer: int, k_new: jax.Array, v_new: jax.Array) -> "KVCache":
-        """Write new keys/values [B, T, K, H] of one layer at slots lengths[b] .. lengths[b] + T - 1."""
+        """Write new keys/values [B, K, T, H] of one layer at slots lengths[b] .. lengths[b] + T - 1."""
+        b, _, t, _ = k_new.shape
+        rows = jnp.arange(b)[:, None]
+        slots = self.lengths[:, None] + jnp.arange(t)[None, :]  # [B, T]
 
-        def put(buf, new, start):  # buf [K, S, H], new [T, K, H]
-            return jax.lax.dynamic_update_slice(buf, jnp.swapaxes(new, 0, 1).astype(buf.dtype), (0, start, 0))
+        def put(buf, new):  # one scatter for the batch, which XLA does in place
+            return buf.at[rows, :, slots].set(jnp.swapaxes(new, 1, 2).astype(buf.dtype), mode="promise_in_bounds",
+                                              unique_indices=True)
 
-        write = lambda bufs, new: tuple(jax.vmap(put)(buf, new, self.lengths) if i == layer else buf
-                                        for i, buf in enumerate(bufs))
+        write = lambda bufs, new: tuple(put(buf, new) if i == layer else buf for i, buf in enumerate(bufs))
         return self.replace(k=write(self.k, k_new), v=write(self.v, v_new))
 
     def layer(self, layer: int) -> tuple[jax.Array, jax.Array]:
@@ -55,7 +60,7 @@ class KVCache:
 
     def advance(self, n: jax.Array) -> "KVCache":
         """Commit n[b] more tokens of sequence b (the ones just written at the head of its slots)."""
-        return self.replace(lengths=self.lengths + n.astype(jnp.int32))
+        return self.replace(lengths=self.lengths + n.astype(jnp.int32), fresh=False)
 
 
 def causal_mask(lengths: jax.Array, num_new: int, max_len: int) -> jax.Array:

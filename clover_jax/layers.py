@@ -59,20 +59,59 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return (xf * cos + rotated * sin).astype(x.dtype)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query attention. q [B, T, N, H], k/v [B, K, S, H], mask [B, T, S] -> [B, T, N, H].
-
-    The G = N/K query heads sharing a kv head and the T tokens form one [T*G, H] block per kv head,
-    so both products are plain batched matmuls over the cache as it is laid out."""
+def _grouped(q: jax.Array, kv: int) -> jax.Array:
+    """q [B, T, N, H] -> [B, K, T*G, H]: the G = N/K query heads sharing a kv head and the T tokens form
+    one block per kv head, so both attention products are batched matmuls over K/V as they are laid out."""
     b, t, n, h = q.shape
-    kv, s = k.shape[1], k.shape[2]
-    g = n // kv
-    qg = jnp.swapaxes(q.reshape(b, t, kv, g, h), 1, 2).reshape(b, kv, t * g, h)
-    scores = jnp.einsum("bkqh,bksh->bkqs", qg, k.astype(q.dtype)).astype(jnp.float32) / np.sqrt(h)
-    scores = jnp.where(mask[:, None, :, None, :], scores.reshape(b, kv, t, g, s), jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(b, kv, t * g, s)
-    out = jnp.einsum("bkqs,bksh->bkqh", probs, v.astype(q.dtype))
-    return jnp.swapaxes(out.reshape(b, kv, t, g, h), 1, 2).reshape(b, t, n, h)
+    return jnp.swapaxes(q.reshape(b, t, kv, n // kv, h), 1, 2).reshape(b, kv, t * (n // kv), h)
+
+
+def _scores(qg: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
+    """Float32 scores [B, K, T*G, S] of grouped queries against keys [B, K, S, H]; the lowest float
+    where mask [B, T, S] is off."""
+    b, kv, tg, h = qg.shape
+    t, s = mask.shape[1], k.shape[2]
+    scores = jnp.einsum("bkqh,bksh->bkqs", qg, k.astype(qg.dtype)).astype(jnp.float32) / np.sqrt(h)
+    scores = jnp.where(mask[:, None, :, None, :], scores.reshape(b, kv, t, tg // t, s), jnp.finfo(jnp.float32).min)
+    return scores.reshape(b, kv, tg, s)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, cache: KVCache | None = None,
+           layer: int = 0) -> jax.Array:
+    """Grouped-query attention of T new tokens. q [B, T, N, H]; their own keys/values k/v [B, K, T, H].
+
+    Without a cache, mask [B, T, T] says which new tokens each reads. With one, mask [B, T, S] is over
+    the cache's slots, the new tokens counting as slots lengths[b] .. lengths[b] + T - 1, and the
+    committed slots of `layer` are read as they are, before the new K/V are written: nothing then
+    reads a cache buffer after its write, so XLA updates it in place (attending over the written
+    buffer made XLA:CPU copy every layer's buffer two or three times per step, a fifth of a step)."""
+    b, t, n, h = q.shape
+    kv = k.shape[1]
+    qg = _grouped(q, kv)
+    v = v.astype(q.dtype)
+    among_new = mask
+    if cache is not None:  # the new tokens' own slots, read off the mask over slots
+        own = jnp.clip(cache.lengths[:, None] + jnp.arange(t)[None, :], 0, cache.max_len - 1)  # [B, T]
+        among_new = jnp.take_along_axis(mask, jnp.broadcast_to(own[:, None, :], (b, t, t)), axis=2)
+    scores = _scores(qg, k, among_new)
+    if cache is None or cache.fresh:  # a fresh cache (prefill) has no committed slot to read
+        out = jnp.einsum("bkqs,bksh->bkqh", jax.nn.softmax(scores, axis=-1).astype(q.dtype), v)
+    else:
+        cache_k, cache_v = cache.layer(layer)
+        s = cache.max_len
+        committed = mask & (jnp.arange(s)[None, None, :] < cache.lengths[:, None, None])
+        probs = jax.nn.softmax(jnp.concatenate([_scores(qg, cache_k, committed), scores], axis=-1), axis=-1)
+        probs = probs.astype(q.dtype)
+        out = (jnp.einsum("bkqs,bksh->bkqh", probs[..., :s], cache_v.astype(q.dtype))
+               + jnp.einsum("bkqs,bksh->bkqh", probs[..., s:], v))
+    return jnp.swapaxes(out.reshape(b, kv, t, n // kv, h), 1, 2).reshape(b, t, n, h)
+
+
+def after(x: jax.Array, dep: jax.Array) -> jax.Array:
+    """x, made to depend on `dep` (adds 0 * one element of it). XLA orders an in-place buffer update
+    only after the reads of that buffer it can see it depends on; otherwise it copies the buffer first.
+    The value is x unless dep is not finite, which the decoding loops report anyway."""
+    return x + 0 * dep.reshape(-1)[0].astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -88,20 +127,19 @@ class Attention(nnx.Module):
         self.cfg = cfg  # static: RoPE frequencies are derived from it at trace time
 
     def __call__(self, x, positions, mask, cache: KVCache | None, layer: int):
-        """x [B, T, D]; with a cache, new K/V are written at its head and attention reads all S slots;
-        without one (training), attention runs over the T tokens themselves with mask [B, T, T]."""
+        """x [B, T, D]; with a cache, attention reads its committed slots and the new tokens (mask
+        [B, T, S] over slots) and the new K/V are written at its head; without one (training), attention
+        runs over the T tokens themselves with mask [B, T, T]."""
         b, t, _ = x.shape
         n, k, h = self.shape
         inv_freq = rope_inv_freq(self.cfg)
         q = apply_rope(self.q_proj(x).reshape(b, t, n, h), positions, inv_freq)
         kk = apply_rope(self.k_proj(x).reshape(b, t, k, h), positions, inv_freq)
         vv = self.v_proj(x).reshape(b, t, k, h)
-        if cache is not None:
-            cache = cache.write(layer, kk, vv)
-            kk, vv = cache.layer(layer)
-        else:
-            kk, vv = jnp.swapaxes(kk, 1, 2), jnp.swapaxes(vv, 1, 2)
-        out = attend(q, kk, vv, mask)
+        kk, vv = jnp.swapaxes(kk, 1, 2), jnp.swapaxes(vv, 1, 2)  # [B, K, T, H], the cache's layout
+        out = attend(q, kk, vv, mask, cache, layer)
+        if cache is not None:  # written after the attention has read the cache
+            cache = cache.write(layer, after(kk, out), after(vv, out))
         return self.o_proj(out.reshape(b, t, n * h)), cache
 
 
