@@ -108,10 +108,10 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, cache: KVC
 
 
 def after(x: jax.Array, dep: jax.Array) -> jax.Array:
-    """x, made to depend on `dep` (adds 0 * one element of it). XLA orders an in-place buffer update
-    only after the reads of that buffer it can see it depends on; otherwise it copies the buffer first.
-    The value is x unless dep is not finite, which the decoding loops report anyway."""
-    return x + 0 * dep.reshape(-1)[0].astype(x.dtype)
+    """x + 0 * dep (dep broadcast to x): x's value, made to depend on dep. XLA updates a buffer in place
+    only after the reads of it that the update depends on; others it orders by copying the buffer first.
+    The value differs from x only where dep is not finite, which the decoding loops report anyway."""
+    return x + 0 * dep.astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -139,7 +139,9 @@ class Attention(nnx.Module):
         kk, vv = jnp.swapaxes(kk, 1, 2), jnp.swapaxes(vv, 1, 2)  # [B, K, T, H], the cache's layout
         out = attend(q, kk, vv, mask, cache, layer)
         if cache is not None:  # written after the attention has read the cache
-            cache = cache.write(layer, after(kk, out), after(vv, out))
+            # one output element per (sequence, kv head): the tie stays on each device of a mesh
+            tie = jnp.swapaxes(out.reshape(b, t, k, n // k, h)[:, :1, :, :1, 0], 1, 2)  # [B, K, 1, 1]
+            cache = cache.write(layer, after(kk, tie), after(vv, tie))
         return self.o_proj(out.reshape(b, t, n * h)), cache
 
 

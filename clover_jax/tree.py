@@ -17,6 +17,7 @@ import math
 import numbers
 import os
 
+import jax
 import numpy as np
 
 from clover_jax.errors import CloverError
@@ -294,7 +295,8 @@ class DynamicTree:
 def resolve_tree(spec, method: str, num_heads: int) -> Tree:
     """The tree a user asked for, checked against the heads it will be drafted with.
 
-    spec: None or "default" (the method's paper tree), a name from NAMED_TREES or "mc_sim_7b_63"
+    spec: None or "default" (the method's paper tree), "auto" (the paper tree on an accelerator, a chain
+    through every head on a CPU: see `auto_tree`), a name from NAMED_TREES or "mc_sim_7b_63"
     (both named trees are cut to num_heads), "chain:D", "full:WxD", "widths:W1,W2,...", a JSON list
     of paths as a string, a JSON file path, a list of paths, a Tree, or a dynamic tree
     "dynamic:N[,W]" / "eagle2:N[,W]" (a DynamicTree of depth num_heads).
@@ -318,6 +320,8 @@ def resolve_tree(spec, method: str, num_heads: int) -> Tree:
         return DynamicTree.parse(kind, arg, heads)
     if s in ("default", "mc_sim_7b_63"):
         return _named(METHOD_TREE[method], heads)
+    if s == "auto":
+        return resolve_tree(auto_tree(heads), method, heads)
     if s in NAMED_TREES:
         return _named(s, heads)
     if kind in ("chain", "full", "widths") and arg:
@@ -342,8 +346,16 @@ def resolve_tree(spec, method: str, num_heads: int) -> Tree:
         return Tree.from_paths(data.get("paths", data) if isinstance(data, dict) else data, heads)
     if os.path.isfile(s) or s.endswith(".json"):
         return Tree.from_file(s, heads)
-    raise CloverError(f"unknown tree spec {spec!r}: use default, {', '.join(NAMED_TREES)}, chain:D, "
+    raise CloverError(f"unknown tree spec {spec!r}: use default, auto, {', '.join(NAMED_TREES)}, chain:D, "
                       "full:WxD, widths:W1,W2,..., dynamic:N, eagle2:N, a JSON list of paths or a .json file")
+
+
+def auto_tree(num_heads: int, backend: str | None = None) -> str:
+    """The tree spec `auto` stands for on `backend` (default: JAX's). On an accelerator verifying a
+    26-64-node tree costs about one plain step (memory-bound), so the paper trees pay; on a CPU every
+    verified token costs compute (XLA:CPU runs a matmul of 2-16 rows at 2-4x a one-row one), so only a
+    chain through every head pays there (docs/benchmarks.md)."""
+    return f"chain:{num_heads}" if (backend or jax.default_backend()) == "cpu" else "default"
 
 
 def _named(name: str, heads: int) -> Tree:

@@ -57,7 +57,9 @@ EPILOG = """\
 Rows: one per method and batch size. tau = tokens per forward pass of the base model (bonus token
 included; plain = 1.00); accept@d = share of steps that accepted at least d drafted tokens; speedup =
 tokens/s over plain decoding's at the same batch size in this run; compiles = programs compiled over
-the prompt set (the bucket count is the most it should be). With --hf, rows `hf-generate` (transformers
+the prompt set (the bucket count is the most it should be). The bandwidth line divides the bytes a
+plain decoding step reads (weights + KV) by its time, prefills excluded (timed apart, one new token per
+prompt), and compares that with a streaming read measured by the benchmark. With --hf, rows `hf-generate` (transformers
 greedy `generate`) and `hf-prompt-lookup` (its assisted generation without a draft model, batch 1) run
 the same model and prompts in PyTorch on the CPU.
 """
@@ -74,7 +76,8 @@ class Row:
     accept_per_depth: list[float] = dataclasses.field(default_factory=list)
     tokens_per_s: float = 0.0
     speedup: float = 1.0
-    step_ms: float = 0.0
+    step_ms: float = 0.0  # the whole generation's time (prefill included) per forward pass
+    steps: int = 0  # forward passes over the prompt set, the prefills included
     new_tokens: int = 0
     compile_s: float = 0.0
     compilations: int = 0
@@ -204,23 +207,35 @@ def run_engine(generator: Generator, prompts: list[list[int]], batch_size: int, 
     run_s = statistics.median(seconds)
     accept = [] if hist is None else [float(hist[d:].sum() / max(hist.sum(), 1)) for d in range(1, len(hist))]
     stats = dict(tau=new / max(seq_steps, 1), accept_per_depth=accept, tokens_per_s=new / run_s,
-                 step_ms=1e3 * run_s / max(steps, 1), new_tokens=new, compile_s=compile_s,
+                 step_ms=1e3 * run_s / max(steps, 1), steps=steps, new_tokens=new, compile_s=compile_s,
                  compilations=generator.compilations, buckets=len(buckets))
     return stats, tokens
 
 
-def plain_efficiency(model: Llama, prompts: list[list[int]], max_new: int, step_ms: float, bandwidth: float) -> dict:
-    """Batch-1 plain decoding against the bandwidth limit: each step reads every weight once and the
-    K/V of the tokens so far (the mean over the run's steps)."""
+def prefill_seconds(generator: Generator, prompts: list[list[int]], repeats: int) -> float:
+    """The time batch-1 generation of the prompts spends on the prompts alone: one new token each (the
+    prefill, no decoding step), summed over the prompts, median of `repeats` passes after a warm-up."""
+    passes = [sum(generator.generate([p], 1, eos_ids=()).run_seconds for p in prompts) for _ in range(repeats + 1)]
+    return statistics.median(passes[1:])
+
+
+def plain_efficiency(model: Llama, prompts: list[list[int]], max_new: int, row: Row, prefill_s: float,
+                     bandwidth: float) -> dict:
+    """Batch-1 plain decoding against the bandwidth limit: each decoding step reads every weight once
+    and the K/V of the tokens so far (the mean over the run's steps). The step time excludes the
+    prefills (`prefill_s`), which read the weights once for a whole prompt."""
     cfg = model.cfg
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     per_token_kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(model.dtype).itemsize
     mean_context = float(np.mean([len(p) + (max_new - 1) / 2 for p in prompts]))
     step_bytes = weight_bytes + per_token_kv * mean_context
-    achieved = step_bytes / (step_ms / 1e3)
+    decode_ms = (row.step_ms * row.steps / 1e3 - prefill_s) * 1e3 / max(row.steps - len(prompts), 1)
+    achieved = step_bytes / (decode_ms / 1e3)
     return dict(weight_bytes=int(weight_bytes), kv_bytes_per_step=float(per_token_kv * mean_context),
-                bytes_per_step=float(step_bytes), achieved_bytes_per_s=achieved, bandwidth_bytes_per_s=bandwidth,
-                fraction_of_bandwidth=achieved / bandwidth, limit_step_ms=1e3 * step_bytes / bandwidth)
+                bytes_per_step=float(step_bytes), decode_step_ms=decode_ms,
+                prefill_ms_per_prompt=1e3 * prefill_s / len(prompts), achieved_bytes_per_s=achieved,
+                bandwidth_bytes_per_s=bandwidth, fraction_of_bandwidth=achieved / bandwidth,
+                limit_step_ms=1e3 * step_bytes / bandwidth)
 
 
 def run_hf(path: Path, prompts: list[list[int]], batch_size: int, max_new: int, repeats: int, dtype: str,
@@ -439,7 +454,8 @@ def _benchmark(args: argparse.Namespace) -> int:
                         if temp == 0:
                             plain_tokens = tokens
                             if b == 1:
-                                efficiency = plain_efficiency(model, prompts, args.max_new_tokens, row.step_ms,
+                                prefill_s = prefill_seconds(gen, prompts, args.repeats)
+                                efficiency = plain_efficiency(model, prompts, args.max_new_tokens, row, prefill_s,
                                                               bandwidth)
                     elif temp == 0:
                         row.matches_plain = tokens == plain_tokens
@@ -468,7 +484,8 @@ def _benchmark(args: argparse.Namespace) -> int:
     if efficiency:
         print(f"\nplain decoding, batch 1: {efficiency['bytes_per_step'] / 1e6:.1f} MB read per step "
               f"(weights {efficiency['weight_bytes'] / 1e6:.1f} MB + KV {efficiency['kv_bytes_per_step'] / 1e6:.2f} MB) "
-              f"in {rows[0].step_ms:.2f} ms = {efficiency['achieved_bytes_per_s'] / 1e9:.1f} GB/s; measured streaming "
+              f"in {efficiency['decode_step_ms']:.2f} ms (prefill excluded: {efficiency['prefill_ms_per_prompt']:.1f} ms "
+              f"per prompt) = {efficiency['achieved_bytes_per_s'] / 1e9:.1f} GB/s; measured streaming "
               f"bandwidth {bandwidth / 1e9:.1f} GB/s -> {100 * efficiency['fraction_of_bandwidth']:.0f}% of the limit "
               f"({efficiency['limit_step_ms']:.2f} ms/step)")
     for b in sizes:

@@ -67,12 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", metavar="DIR",
                    help="draft heads directory written by train.train, or 'random' for untrained heads "
                         "(default: MODEL/heads/METHOD, the heads shipped beside the model)")
-    p.add_argument("--tree", metavar="SPEC",
-                   help="draft tree: a static one - a name (mc_sim_7b_63), chain:D, full:WxD, widths:W1,W2,..., "
-                        "a JSON list of paths such as [[0],[1],[0,0]], or a JSON file of one - or a dynamic "
-                        "one chosen per step from the heads' probabilities under a budget of N nodes: "
-                        "dynamic:N (Clover's sampler) or eagle2:N (EAGLE-2's rerank), ',W' after N sets "
-                        "the beam width (default: the method's default static tree)")
+    p.add_argument("--tree", metavar="SPEC", default="auto",
+                   help="draft tree: a static one - default (the method's paper tree), a name (mc_sim_7b_63), "
+                        "chain:D, full:WxD, widths:W1,W2,..., a JSON list of paths such as [[0],[1],[0,0]], or a "
+                        "JSON file of one - or a dynamic one chosen per step from the heads' probabilities under "
+                        "a budget of N nodes: dynamic:N (Clover's sampler) or eagle2:N (EAGLE-2's rerank), ',W' "
+                        "after N sets the beam width. auto: the paper tree on a GPU or TPU, a chain through "
+                        "every head on a CPU, where each verified token costs compute (default: %(default)s)")
     p.add_argument("--num-heads", type=int, metavar="K",
                    help="number of heads with --heads random (default: medusa 4, clover 3, clover2 5)")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
@@ -160,8 +161,10 @@ def _generate(args: argparse.Namespace) -> int:
                 print(text)
         sys.stdout.flush()
     tau = new_tokens / max(seq_steps, 1)
-    print(f"[{args.method}] new_tokens={new_tokens} steps={steps} tau={tau:.2f} tokens/s={new_tokens / max(run_s, 1e-9):.1f} "
-          f"compile={compile_s:.2f}s run={run_s:.2f}s", file=sys.stderr)
+    tree = getattr(generator, "tree", None)
+    shape = "" if tree is None else f" tree={tree.num_nodes} nodes, depth {tree.max_depth}"
+    print(f"[{args.method}]{shape} new_tokens={new_tokens} steps={steps} tau={tau:.2f} "
+          f"tokens/s={new_tokens / max(run_s, 1e-9):.1f} compile={compile_s:.2f}s run={run_s:.2f}s", file=sys.stderr)
     return 0
 
 

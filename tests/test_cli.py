@@ -25,7 +25,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 FLAGS = ("--model", "--prompt", "--prompts", "--chat", "--method", "--max-new-tokens", "--temperature",
          "--top-p", "--top-k", "--seed", "--dtype", "--max-len", "--batch-size", "--json",
          "--heads", "--tree", "--num-heads", "--mesh", "--coordinator", "--num-processes", "--process-id")
-STATS = re.compile(r"^\[(plain|medusa|clover|clover2)\] new_tokens=\d+ steps=\d+ tau=[\d.]+ tokens/s=[\d.]+ "
+STATS = re.compile(r"^\[(plain|medusa|clover|clover2)\]( tree=\d+ nodes, depth \d+)? new_tokens=\d+ steps=\d+ tau=[\d.]+ tokens/s=[\d.]+ "
                    r"compile=[\d.]+s run=[\d.]+s$")
 NEW = 6  # new tokens per prompt in every test, so most tests share one compiled shape
 
@@ -81,7 +81,7 @@ def test_speculative_methods_print_the_plain_text(method, model_dir, hf_tok, lib
     code, out, err = run_cli(capsys, "--model", model_dir, "--prompt", prompt, "--max-new-tokens", NEW,
                              "--method", method, "--heads", "random", "--tree", "chain:2")
     assert (code, out) == (0, expected), err
-    assert STATS.match(err.strip()) and err.startswith(f"[{method}]"), err
+    assert STATS.match(err.strip()) and err.startswith(f"[{method}] tree=3 nodes, depth 2 "), err
     _, model = load_pretrained(model_dir)
     save_heads(make_heads(HeadsConfig(method, 2), model, seed=1), model, tmp_path / "heads")
     code, out, err = run_cli(capsys, "--model", model_dir, "--prompt", prompt, "--max-new-tokens", NEW,

@@ -13,6 +13,7 @@ from clover_jax.tree import (
     MEDUSA_MC_SIM_7B_63,
     METHOD_HEADS,
     Tree,
+    auto_tree,
     chain,
     from_widths,
     full,
@@ -228,6 +229,8 @@ def test_resolve_tree_specs(tmp_path):
     f = tmp_path / "t.json"
     f.write_text(json.dumps(SMALL))
     assert resolve_tree(str(f), "clover", 3) == Tree.from_paths(SMALL)
+    assert resolve_tree("auto", "clover2", 5) == chain(5)  # the suite runs on a CPU
+    assert auto_tree(5, "cpu") == "chain:5" and auto_tree(4, "gpu") == auto_tree(4, "tpu") == "default"
 
 
 def test_resolve_dynamic_trees():
