@@ -48,7 +48,7 @@ class KVCache:
         slots = self.lengths[:, None] + jnp.arange(t)[None, :]  # [B, T]
 
         def put(buf, new):  # one scatter for the batch, which XLA does in place
-            return buf.at[rows, :, slots].set(jnp.swapaxes(new, 1, 2).astype(buf.dtype), mode="promise_in_bounds",
+            return buf.at[rows, :, slots].set(jnp.swapaxes(new, 1, 2).astype(buf.dtype), mode="drop",
                                               unique_indices=True)
 
         write = lambda bufs, new: tuple(put(buf, new) if i == layer else buf for i, buf in enumerate(bufs))
