@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory holding one heads directory per method (default: MODEL/heads)")
     p.add_argument("--tree", action="append", default=[], metavar="[METHOD=]SPEC",
                    help="draft tree for every speculative method, or METHOD=SPEC for one; repeat it to measure "
-                        "several trees in the same run. SPEC: default (the method's own), chain:K, widths:4,2,2, "
+                        "several trees in the same run. SPEC: default (the method's own), auto (a chain through every head on "
+                        "a CPU, the default tree elsewhere), chain:K, widths:4,2,2, "
                         "full:WxD, a named tree, a JSON file of paths, or a dynamic tree dynamic:N / eagle2:N "
                         "(default: each method's default tree)")
     p.add_argument("--prompts", metavar="FILE",
