@@ -59,9 +59,9 @@ included; plain = 1.00); accept@d = share of steps that accepted at least d draf
 tokens/s over plain decoding's at the same batch size in this run; compiles = programs compiled over
 the prompt set (the bucket count is the most it should be). The bandwidth line divides the bytes a
 plain decoding step reads (weights + KV) by its time, prefills excluded (timed apart, one new token per
-prompt), and compares that with a streaming read measured by the benchmark. With --hf, rows `hf-generate` (transformers
-greedy `generate`) and `hf-prompt-lookup` (its assisted generation without a draft model, batch 1) run
-the same model and prompts in PyTorch on the CPU.
+prompt), and compares that with a streaming read measured by the benchmark. With --hf, rows
+`hf-generate` (transformers greedy `generate`) and `hf-prompt-lookup` (its assisted generation without
+a draft model, batch 1) run the same model and prompts in PyTorch on the CPU.
 """
 
 
@@ -95,9 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory holding one heads directory per method (default: MODEL/heads)")
     p.add_argument("--tree", action="append", default=[], metavar="[METHOD=]SPEC",
                    help="draft tree for every speculative method, or METHOD=SPEC for one; repeat it to measure "
-                        "several trees in the same run. SPEC: default (the method's own), auto (a chain through every head on "
-                        "a CPU, the default tree elsewhere), chain:K, widths:4,2,2, "
-                        "full:WxD, a named tree, a JSON file of paths, or a dynamic tree dynamic:N / eagle2:N "
+                        "several trees in the same run. SPEC: default (the method's own), auto (a chain through "
+                        "every head on a CPU, the default tree elsewhere), chain:K, widths:4,2,2, full:WxD, a "
+                        "named tree, a JSON file of paths, or a dynamic tree dynamic:N / eagle2:N "
                         "(default: each method's default tree)")
     p.add_argument("--prompts", metavar="FILE",
                    help="JSONL prompts, one {\"prompt\": ...} per line (default: MODEL/prompts.jsonl)")
@@ -485,8 +485,9 @@ def _benchmark(args: argparse.Namespace) -> int:
     if efficiency:
         print(f"\nplain decoding, batch 1: {efficiency['bytes_per_step'] / 1e6:.1f} MB read per step "
               f"(weights {efficiency['weight_bytes'] / 1e6:.1f} MB + KV {efficiency['kv_bytes_per_step'] / 1e6:.2f} MB) "
-              f"in {efficiency['decode_step_ms']:.2f} ms (prefill excluded: {efficiency['prefill_ms_per_prompt']:.1f} ms "
-              f"per prompt) = {efficiency['achieved_bytes_per_s'] / 1e9:.1f} GB/s; measured streaming "
+              f"in {efficiency['decode_step_ms']:.2f} ms (prefill excluded: "
+              f"{efficiency['prefill_ms_per_prompt']:.1f} ms per prompt) = "
+              f"{efficiency['achieved_bytes_per_s'] / 1e9:.1f} GB/s; measured streaming "
               f"bandwidth {bandwidth / 1e9:.1f} GB/s -> {100 * efficiency['fraction_of_bandwidth']:.0f}% of the limit "
               f"({efficiency['limit_step_ms']:.2f} ms/step)")
     for b in sizes:

@@ -25,8 +25,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 FLAGS = ("--model", "--prompt", "--prompts", "--chat", "--method", "--max-new-tokens", "--temperature",
          "--top-p", "--top-k", "--seed", "--dtype", "--max-len", "--batch-size", "--json",
          "--heads", "--tree", "--num-heads", "--mesh", "--coordinator", "--num-processes", "--process-id")
-STATS = re.compile(r"^\[(plain|medusa|clover|clover2)\]( tree=\d+ nodes, depth \d+)? new_tokens=\d+ steps=\d+ tau=[\d.]+ tokens/s=[\d.]+ "
-                   r"compile=[\d.]+s run=[\d.]+s$")
+STATS = re.compile(r"^\[(plain|medusa|clover|clover2)\]( tree=\d+ nodes, depth \d+)? "
+                   r"new_tokens=\d+ steps=\d+ tau=[\d.]+ tokens/s=[\d.]+ compile=[\d.]+s run=[\d.]+s$")
 NEW = 6  # new tokens per prompt in every test, so most tests share one compiled shape
 
 
