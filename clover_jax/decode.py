@@ -65,17 +65,21 @@ def prefill(model: Llama, prompts: jax.Array, prompt_lens: jax.Array, cache_len:
     return out.cache.advance(prompt_lens), out.hidden, out.hidden_normed, model.logits(normed_last)
 
 
-def generate_plain(graphdef, params, prompts, prompt_lens, budgets, keys, *, sampling: SamplingConfig,
-                   eos_ids: tuple[int, ...], max_new: int, cache_len: int, mesh=None) -> DecodeState:
-    """The whole plain generation as one pure function (jit it with the keyword args static)."""
-    model = nnx.merge(graphdef, params)
+def start_plain(model: Llama, prompts, prompt_lens, budgets, keys, *, sampling: SamplingConfig,
+                eos_ids: tuple[int, ...], max_new: int, cache_len: int, mesh=None) -> DecodeState:
+    """The prefill: the prompts in the cache and each sequence's first token recorded."""
     b = prompts.shape[0]
     cache, _, _, logits = prefill(model, prompts, prompt_lens, cache_len, mesh)
     state = DecodeState(
         cache=cache, tokens=jnp.zeros((b, max_new), jnp.int32), num_new=jnp.zeros((b,), jnp.int32),
         last=jnp.zeros((b,), jnp.int32), done=budgets <= 0, finite=jnp.isfinite(logits).all(-1),
         keys=keys, step=jnp.zeros((), jnp.int32))
-    state = state.record(sample(logits, step_keys(keys, 0), sampling), budgets, eos_ids)
+    return state.record(sample(logits, step_keys(keys, 0), sampling), budgets, eos_ids)
+
+
+def continue_plain(model: Llama, state: DecodeState, budgets, *, sampling: SamplingConfig,
+                   eos_ids: tuple[int, ...], max_new: int, cache_len: int) -> DecodeState:
+    """The decoding steps after `start_plain`: one token per sequence per step until all are done."""
 
     def cond(s: DecodeState):
         return (s.step < max_new - 1) & ~jnp.all(s.done)
@@ -90,6 +94,13 @@ def generate_plain(graphdef, params, prompts, prompt_lens, budgets, keys, *, sam
         return s.record(sample(logits, step_keys(s.keys, step), sampling), budgets, eos_ids)
 
     return jax.lax.while_loop(cond, body, state)
+
+
+def generate_plain(graphdef, params, prompts, prompt_lens, budgets, keys, *, mesh=None, **static) -> DecodeState:
+    """The whole plain generation as one pure function (jit it with the keyword args static)."""
+    model = nnx.merge(graphdef, params)
+    state = start_plain(model, prompts, prompt_lens, budgets, keys, mesh=mesh, **static)
+    return continue_plain(model, state, budgets, **static)
 
 
 @dataclasses.dataclass
@@ -166,15 +177,12 @@ class Generator:
         """Cache slots needed past the last kept token (a speculative step writes a whole tree)."""
         return 0
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                 sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
-                 eos_ids: Sequence[int] | None = None,
-                 budgets: Sequence[int] | None = None) -> GenerationOutput:
-        """Generate up to `max_new_tokens` per prompt (token ids), all prompts in one batch.
-
-        `budgets` caps each prompt's new tokens on its own; `eos_ids` defaults to the model config's
-        (pass `()` to never stop early); `seed` seeds per-sequence keys when `sampling` samples.
-        Compiles on the first call with a new batch size, bucket or static setting."""
+    def prepare(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
+                eos_ids: Sequence[int] | None = None,
+                budgets: Sequence[int] | None = None) -> tuple[tuple, dict]:
+        """Check and pad the prompts: the program's arguments (params, prompts [B, bucket], lengths,
+        budgets, keys), placed on the mesh, and its static settings. `generate` documents the arguments."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise CloverError("every prompt must have at least one token")
         if max_new_tokens < 1:
@@ -202,7 +210,20 @@ class Generator:
                       cache_len=bucket + max_new_tokens + self._slack(), mesh=self.mesh, **self._static())
         place = jnp.asarray if self.mesh is None else (lambda x: put_batch(x, self.mesh))
         args = (self.params, *map(place, (padded, lens, budget, keys)))
-        key = (b, bucket, tuple(sorted(static.items(), key=lambda kv: kv[0])))
+        return args, static
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
+                 eos_ids: Sequence[int] | None = None,
+                 budgets: Sequence[int] | None = None) -> GenerationOutput:
+        """Generate up to `max_new_tokens` per prompt (token ids), all prompts in one batch.
+
+        `budgets` caps each prompt's new tokens on its own; `eos_ids` defaults to the model config's
+        (pass `()` to never stop early); `seed` seeds per-sequence keys when `sampling` samples.
+        Compiles on the first call with a new batch size, bucket or static setting."""
+        args, static = self.prepare(prompts, max_new_tokens, sampling, seed, eos_ids, budgets)
+        b = len(prompts)
+        key = (b, args[1].shape[1], tuple(sorted(static.items(), key=lambda kv: kv[0])))
         compile_s = 0.0
         if key not in self._compiled:
             t0 = time.perf_counter()

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from clover_jax.config import ModelConfig
 from clover_jax.convert import load_pretrained
-from clover_jax.decode import Generator, bucket_for
+from clover_jax.decode import Generator, bucket_for, continue_plain, start_plain, to_host
 from clover_jax.errors import CloverError
 from clover_jax.model import Llama
 from clover_jax.sampling import SamplingConfig
@@ -58,8 +58,8 @@ Rows: one per method and batch size. tau = tokens per forward pass of the base m
 included; plain = 1.00); accept@d = share of steps that accepted at least d drafted tokens; speedup =
 tokens/s over plain decoding's at the same batch size in this run; compiles = programs compiled over
 the prompt set (the bucket count is the most it should be). The bandwidth line divides the bytes a
-plain decoding step reads (weights + KV) by its time, prefills excluded (timed apart, one new token per
-prompt), and compares that with a streaming read measured by the benchmark. With --hf, rows
+plain decoding step reads (weights + KV) by its time, the decoding loop timed apart from the prefill,
+and compares that with a streaming read measured by the benchmark. With --hf, rows
 `hf-generate` (transformers greedy `generate`) and `hf-prompt-lookup` (its assisted generation without
 a draft model, batch 1) run the same model and prompts in PyTorch on the CPU.
 """
@@ -213,28 +213,47 @@ def run_engine(generator: Generator, prompts: list[list[int]], batch_size: int, 
     return stats, tokens
 
 
-def prefill_seconds(generator: Generator, prompts: list[list[int]], repeats: int) -> float:
-    """The time batch-1 generation of the prompts spends on the prompts alone: one new token each (the
-    prefill, no decoding step), summed over the prompts, median of `repeats` passes after a warm-up."""
-    passes = [sum(generator.generate([p], 1, eos_ids=()).run_seconds for p in prompts) for _ in range(repeats + 1)]
-    return statistics.median(passes[1:])
+def plain_phases(generator: Generator, prompts: list[list[int]], max_new: int, repeats: int) -> dict:
+    """Batch-1 plain generation of each prompt run as two jitted programs, the prefill (`start_plain`)
+    and the decoding loop (`continue_plain`), each timed on its own: seconds of each over the prompts
+    (medians of `repeats` passes after a warm-up) and the decoding steps taken."""
+    static_names = ("sampling", "eos_ids", "max_new", "cache_len")
+    start = jax.jit(lambda g, params, *a, **s: start_plain(nnx.merge(g, params), *a, **s),
+                    static_argnums=0, static_argnames=(*static_names, "mesh"))
+    loop = jax.jit(lambda g, params, state, budgets, **s: continue_plain(nnx.merge(g, params), state, budgets, **s),
+                   static_argnums=0, static_argnames=static_names, donate_argnums=2)
+    passes = []
+    for _ in range(repeats + 1):
+        prefill_s = decode_s = steps = 0
+        for p in prompts:
+            args, static = generator.prepare([p], max_new, eos_ids=())
+            t0 = time.perf_counter()
+            state = jax.block_until_ready(start(generator.graphdef, *args, **static))
+            t1 = time.perf_counter()
+            static.pop("mesh")
+            state = jax.block_until_ready(loop(generator.graphdef, args[0], state, args[3], **static))
+            decode_s += time.perf_counter() - t1
+            prefill_s += t1 - t0
+            steps += int(to_host(state.step))
+        passes.append((prefill_s, decode_s))
+    prefill_s, decode_s = (statistics.median(x) for x in zip(*passes[1:]))
+    return dict(prefill_s=prefill_s, decode_s=decode_s, decode_steps=steps)
 
 
-def plain_efficiency(model: Llama, prompts: list[list[int]], max_new: int, row: Row, prefill_s: float,
-                     bandwidth: float) -> dict:
+def plain_efficiency(model: Llama, prompts: list[list[int]], max_new: int, phases: dict, bandwidth: float) -> dict:
     """Batch-1 plain decoding against the bandwidth limit: each decoding step reads every weight once
-    and the K/V of the tokens so far (the mean over the run's steps). The step time excludes the
-    prefills (`prefill_s`), which read the weights once for a whole prompt."""
+    and the K/V of the tokens so far (the mean over the run's steps). The step time is the decoding
+    loop's alone (`plain_phases`); a prefill reads the weights once for a whole prompt."""
     cfg = model.cfg
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     per_token_kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(model.dtype).itemsize
     mean_context = float(np.mean([len(p) + (max_new - 1) / 2 for p in prompts]))
     step_bytes = weight_bytes + per_token_kv * mean_context
-    decode_ms = (row.step_ms * row.steps / 1e3 - prefill_s) * 1e3 / max(row.steps - len(prompts), 1)
-    achieved = step_bytes / (decode_ms / 1e3)
+    decode_s = phases["decode_s"] / max(phases["decode_steps"], 1)
+    achieved = step_bytes / decode_s
     return dict(weight_bytes=int(weight_bytes), kv_bytes_per_step=float(per_token_kv * mean_context),
-                bytes_per_step=float(step_bytes), decode_step_ms=decode_ms,
-                prefill_ms_per_prompt=1e3 * prefill_s / len(prompts), achieved_bytes_per_s=achieved,
+                bytes_per_step=float(step_bytes), decode_steps=phases["decode_steps"], decode_step_ms=1e3 * decode_s,
+                prefill_ms_per_prompt=1e3 * phases["prefill_s"] / len(prompts), achieved_bytes_per_s=achieved,
                 bandwidth_bytes_per_s=bandwidth, fraction_of_bandwidth=achieved / bandwidth,
                 limit_step_ms=1e3 * step_bytes / bandwidth)
 
@@ -455,9 +474,8 @@ def _benchmark(args: argparse.Namespace) -> int:
                         if temp == 0:
                             plain_tokens = tokens
                             if b == 1:
-                                prefill_s = prefill_seconds(gen, prompts, args.repeats)
-                                efficiency = plain_efficiency(model, prompts, args.max_new_tokens, row, prefill_s,
-                                                              bandwidth)
+                                phases = plain_phases(gen, prompts, args.max_new_tokens, args.repeats)
+                                efficiency = plain_efficiency(model, prompts, args.max_new_tokens, phases, bandwidth)
                     elif temp == 0:
                         row.matches_plain = tokens == plain_tokens
                     row.speedup = row.tokens_per_s / plain_tps

@@ -30,6 +30,8 @@ def test_benchmark_runs_and_reports(tmp_path, capsys):
     eff = result["plain_efficiency"]
     assert eff["bandwidth_bytes_per_s"] > 0 and 0 < eff["fraction_of_bandwidth"] and eff["weight_bytes"] > 8e6
     assert result["machine"]["bandwidth_bytes_per_s"] == eff["bandwidth_bytes_per_s"]
+    # The decoding loop, timed apart from the prefill, takes one step per token after the first.
+    assert eff["decode_steps"] == 3 * 5 and eff["decode_step_ms"] > 0 and eff["prefill_ms_per_prompt"] > 0
     shape = result["shape"]
     assert shape["layers"] == 1
     assert set(shape["methods"]) == {"plain", "medusa chain:2", "medusa chain:1", "clover2 default"}
