@@ -27,6 +27,7 @@ from clover_jax.model import Llama
 
 WEIGHTS = "heads.safetensors"
 CONFIG = "heads.json"
+COUNTS = "token_counts.safetensors"  # how often each token occurs in the training targets (draft_vocab)
 
 
 def base_fingerprint(base: Llama) -> str:
@@ -43,12 +44,18 @@ def _flat_params(heads: Heads) -> dict[str, jax.Array]:
     return {".".join(str(p) for p in path): var[...] for path, var in nnx.to_flat_state(nnx.state(heads, nnx.Param))}
 
 
-def save_heads(heads: Heads, base: Llama, out_dir: str | Path, extra: dict | None = None) -> Path:
-    """Write the heads and their config (plus `extra` metadata, e.g. training figures) to `out_dir`."""
+def save_heads(heads: Heads, base: Llama, out_dir: str | Path, extra: dict | None = None,
+               token_counts: np.ndarray | None = None) -> Path:
+    """Write the heads and their config (plus `extra` metadata, e.g. training figures) to `out_dir`,
+    and the counts of the tokens they were trained to predict (for a draft vocabulary) when given."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: np.asarray(jax.device_get(v)) for k, v in _flat_params(heads).items()}
     write_safetensors(tensors, out / WEIGHTS)
+    if token_counts is not None:
+        write_safetensors({"counts": np.asarray(token_counts, np.int64)}, out / COUNTS)
+    elif (out / COUNTS).exists():  # counts of the heads this export replaces
+        (out / COUNTS).unlink()
     meta = {"heads": dataclasses.asdict(heads.hcfg), "base_fingerprint": base_fingerprint(base),
             "base_model_type": base.cfg.model_type, "base_hidden_size": base.cfg.hidden_size,
             "base_vocab_size": base.cfg.vocab_size, **(extra or {})}
@@ -70,6 +77,21 @@ def read_heads_config(heads_dir: str | Path) -> dict:
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise CloverError(f"{path}: not a valid heads config ({e})") from None
     return meta
+
+
+def load_token_counts(heads_dir: str | Path, vocab_size: int) -> np.ndarray | None:
+    """[V] token counts saved beside the heads, or None when the heads carry none."""
+    path = Path(heads_dir) / COUNTS
+    if not path.is_file():
+        return None
+    try:
+        counts = load_file(str(path))["counts"]
+    except Exception as e:  # safetensors' own error types, or no "counts" tensor
+        raise CloverError(f"{path}: cannot read the token counts ({e}); delete the file or re-export the heads") from None
+    if counts.shape != (vocab_size,):
+        raise CloverError(f"{path}: counts for {counts.size} tokens, but the model has {vocab_size}; "
+                          "these heads belong to another model")
+    return counts
 
 
 def load_heads(heads_dir: str | Path, base: Llama, method: str | None = None) -> Heads:

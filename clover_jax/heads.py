@@ -22,6 +22,7 @@ from flax import nnx
 
 from clover_jax.cache import KVCache
 from clover_jax.config import ModelConfig
+from clover_jax.draft_vocab import DraftVocab
 from clover_jax.errors import CloverError
 from clover_jax.layers import DecoderLayer, Linear, RMSNorm
 from clover_jax.model import Llama
@@ -135,9 +136,10 @@ class Heads(nnx.Module):
         """The vector lm_head reads to score a node's children (head k)."""
         raise NotImplementedError
 
-    def node_logits(self, base: Llama, k: int, state, token):
-        """Logits [..., V] over the children of a node at depth k."""
-        return base.logits(self.node_hidden(base, k, state, token))
+    def node_logits(self, base: Llama, k: int, state, token, vocab: DraftVocab | None = None):
+        """Logits over the children of a node at depth k: [..., V], or [..., N] over a draft vocabulary."""
+        hidden = self.node_hidden(base, k, state, token)
+        return base.logits(hidden) if vocab is None else vocab.logits(hidden)
 
     def unroll(self, base: Llama, hidden, hidden_normed, tokens) -> jax.Array:
         """Teacher-forced drafts at every position, for training: [K, B, T, D], entry [k, :, t] being the

@@ -125,6 +125,14 @@ def constrain_cache(cache: KVCache, mesh: Mesh | None) -> KVCache:
     return cache.replace(k=pin(cache.k), v=pin(cache.v))
 
 
+def place_draft_vocab(vocab, mesh: Mesh):
+    """A draft vocabulary's rows split like the lm_head they were copied from (over the vocabulary),
+    its ids replicated."""
+    rows = NamedSharding(mesh, spec_for(("vocab", "embed"), vocab.rows.shape, mesh, "draft vocabulary"))
+    return vocab.replace(ids=jax.device_put(vocab.ids, NamedSharding(mesh, PartitionSpec())),
+                         rows=jax.device_put(vocab.rows, rows))
+
+
 def put_batch(x, mesh: Mesh) -> jax.Array:
     """A host array with a leading batch axis as one global array split over data (and fsdp), the rest
     replicated. Every process holds the whole (small) array; each device takes its own rows."""

@@ -24,11 +24,12 @@ from flax import nnx
 
 from clover_jax.cache import KVCache, causal_mask, tree_mask
 from clover_jax.decode import Generator, prefill
+from clover_jax.draft_vocab import DraftVocab
 from clover_jax.errors import CloverError
 from clover_jax.heads import Heads
 from clover_jax.model import Llama
 from clover_jax.sampling import SamplingConfig, distribution, draw_without_replacement, sample, step_keys, top_k
-from clover_jax.sharding import constrain_cache, shard_module
+from clover_jax.sharding import constrain_cache, place_draft_vocab, shard_module
 from clover_jax.tree import DynamicTree, Tree
 
 
@@ -69,11 +70,13 @@ class SpecState:
 
 
 def draft(base: Llama, heads: Heads, tree: Tree, context: jax.Array, root: jax.Array,
-          sampling: SamplingConfig = SamplingConfig(), key: jax.Array | None = None):
+          sampling: SamplingConfig = SamplingConfig(), key: jax.Array | None = None,
+          vocab: DraftVocab | None = None):
     """Tree tokens [B, N] (node 0 = root) drafted level by level from the heads, and per depth d the
     draft distributions [B, n_{d-1} or 1, V] the children of depth d-1's nodes were drawn from (None when
     greedy). Greedy takes each node's top-k; sampling draws a node's children without replacement from
-    its head's distribution under `sampling` (Gumbel top-k), the i-th child being the i-th draw."""
+    its head's distribution under `sampling` (Gumbel top-k), the i-th child being the i-th draw. With a
+    draft vocabulary the heads score only its tokens (q is 0 on the others)."""
     tokens = [root[:, None]]
     state0 = heads.node_state(base, 0, context, root)
     states = [state0[:, None]]  # per depth: [B, n_d, D]
@@ -81,15 +84,17 @@ def draft(base: Llama, heads: Heads, tree: Tree, context: jax.Array, root: jax.A
     for d in range(1, tree.max_depth + 1):
         prev, level = tree.level(d - 1), tree.level(d)
         if heads.token_dependent:
-            logits = heads.node_logits(base, d - 1, states[-1], tokens[-1])  # [B, n_{d-1}, V]
+            logits = heads.node_logits(base, d - 1, states[-1], tokens[-1], vocab)  # [B, n_{d-1}, V or N]
         else:
-            logits = heads.node_logits(base, d - 1, state0, root)[:, None]  # one distribution per depth
+            logits = heads.node_logits(base, d - 1, state0, root, vocab)[:, None]  # one distribution per depth
         if sampling.greedy:
             top = top_k(logits, tree.max_rank[d - 1])[1]  # [B, n_{d-1} or 1, k]
         else:
             q = distribution(logits, sampling)
-            dists.append(q)
+            dists.append(q if vocab is None else vocab.expand(q, base.cfg.vocab_size))
             top = draw_without_replacement(q, step_keys(key, d), tree.max_rank[d - 1])
+        if vocab is not None:
+            top = vocab.token(top)
         parent_idx = tree.parents[level] - prev.start  # index inside the previous level
         if not heads.token_dependent:
             parent_idx = np.zeros_like(parent_idx)
@@ -126,7 +131,8 @@ class StepTree:
 
 
 def draft_dynamic(base: Llama, heads: Heads, tree: DynamicTree, context: jax.Array, root: jax.Array,
-                  sampling: SamplingConfig = SamplingConfig(), key: jax.Array | None = None):
+                  sampling: SamplingConfig = SamplingConfig(), key: jax.Array | None = None,
+                  vocab: DraftVocab | None = None):
     """Tree tokens [B, N], the StepTree of a dynamic tree (see `DynamicTree`) per sequence, and the
     distributions [B, N, V] each node's children were drawn from (None when they were chosen).
 
@@ -141,7 +147,7 @@ def draft_dynamic(base: Llama, heads: Heads, tree: DynamicTree, context: jax.Arr
     without replacement (Gumbel top-k). A node's children are then a prefix of its draws whose length
     was fixed before drawing them, which is what keeps speculative sampling exact. EAGLE-2's global
     rerank compares nodes across depths by their drawn values, so eagle2 keeps chosen children (tested
-    as point masses) when sampling."""
+    as point masses) when sampling. With a draft vocabulary the heads score only its tokens."""
     b, w, n, depth = root.shape[0], tree.beam, tree.num_nodes, tree.max_depth
     rows = jnp.arange(b)
     drawn = not sampling.greedy and tree.kind == "dynamic"
@@ -151,9 +157,9 @@ def draft_dynamic(base: Llama, heads: Heads, tree: DynamicTree, context: jax.Arr
     cand_tok, cand_logp, cand_parent, frontier_q = [], [], [], []
     for d in range(1, depth + 1):
         if heads.token_dependent:
-            logits = heads.node_logits(base, d - 1, f_state, f_tok)  # [B, F, V]
+            logits = heads.node_logits(base, d - 1, f_state, f_tok, vocab)  # [B, F, V or N]
         else:
-            logits = heads.node_logits(base, d - 1, state0, root)[:, None]  # one distribution per depth
+            logits = heads.node_logits(base, d - 1, state0, root, vocab)[:, None]  # one distribution per depth
         q = jax.nn.softmax(logits.astype(jnp.float32), -1) if sampling.greedy else distribution(logits, sampling)
         prob, tok = top_k(q, w)  # [B, F or 1, W], most likely first
         keep = prob > 0
@@ -161,9 +167,11 @@ def draft_dynamic(base: Llama, heads: Heads, tree: DynamicTree, context: jax.Arr
             keep &= (jnp.cumsum(prob, -1) - prob < tree.top_p) & (prob >= tree.min_ratio * prob[..., :1])
         slot_score = f_logp[:, :, None] + jnp.where(keep, jnp.log(prob), -jnp.inf)  # [B, F, W]
         if drawn:
-            frontier_q.append(q)
+            frontier_q.append(q if vocab is None else vocab.expand(q, base.cfg.vocab_size))
             tok = draw_without_replacement(q, step_keys(key, d), w)  # in draw order
             prob = jnp.take_along_axis(q, tok, -1)
+        if vocab is not None:
+            tok = vocab.token(tok)
         f = slot_score.shape[1]
         score, idx = top_k(slot_score.reshape(b, f * w), w)  # the level's best W slots (-inf: none)
         parent = idx // w
@@ -206,11 +214,12 @@ def draft_dynamic(base: Llama, heads: Heads, tree: DynamicTree, context: jax.Arr
         jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n)), mode="drop")
     draws = None
     if drawn:  # each node's distribution at its slot: the root's, then each depth's frontier nodes'
-        draws = jnp.zeros((b, n, q.shape[-1]), jnp.float32).at[:, 0].set(frontier_q[0][:, 0])
+        v = frontier_q[0].shape[-1]
+        draws = jnp.zeros((b, n, v), jnp.float32).at[:, 0].set(frontier_q[0][:, 0])
         for d in range(2, depth + 1):
             ids = (d - 2) * w + jnp.arange(w)  # candidates of depth d-1: the frontier of depth d
             draws = draws.at[rows[:, None], slot[:, ids]].set(
-                jnp.broadcast_to(frontier_q[d - 1], (b, w, q.shape[-1])), mode="drop")
+                jnp.broadcast_to(frontier_q[d - 1], (b, w, v)), mode="drop")
     return tokens, StepTree(parents, node_depth, ancestors, children, valid), draws
 
 
@@ -327,9 +336,11 @@ def update_context(base, heads: Heads, aug_cache, hidden, hidden_normed, next_to
 def generate_speculative(graphdefs, params, prompts, prompt_lens, budgets, keys, *, tree: Tree | DynamicTree,
                          sampling: SamplingConfig, eos_ids: tuple[int, ...], max_new: int, cache_len: int,
                          mesh=None):
-    """Speculative generation as one pure function (jit with the keyword args static)."""
+    """Speculative generation as one pure function (jit with the keyword args static). params: the base
+    model's and the heads' states, and the draft vocabulary (None: the whole vocabulary)."""
     base = nnx.merge(graphdefs[0], params[0])
     heads = nnx.merge(graphdefs[1], params[1])
+    vocab = params[2]
     b = prompts.shape[0]
     depth = tree.max_depth
     cache, hidden, hidden_normed, logits = prefill(base, prompts, prompt_lens, cache_len, mesh)
@@ -356,10 +367,10 @@ def generate_speculative(graphdefs, params, prompts, prompt_lens, budgets, keys,
     def body(s: SpecState):
         key = step_keys(s.keys, s.step + 1)
         if dynamic:
-            tokens, st, node_q = draft_dynamic(base, heads, tree, s.context, s.root, sampling, key)  # [B, N]
+            tokens, st, node_q = draft_dynamic(base, heads, tree, s.context, s.root, sampling, key, vocab)
             draws = None if node_q is None else (lambda d, node: node_q[jnp.arange(b), node])
         else:
-            tokens, dists = draft(base, heads, tree, s.context, s.root, sampling, key)  # [B, N]
+            tokens, dists = draft(base, heads, tree, s.context, s.root, sampling, key, vocab)  # [B, N]
             st, draws = static_tree, (None if sampling.greedy else level_draws(tree, dists))
         c = s.cache
         out = base(tokens, c.lengths[:, None] + st.depth, tree_mask(c.lengths, st.ancestors, cache_len), c)
@@ -393,20 +404,24 @@ def generate_speculative(graphdefs, params, prompts, prompt_lens, budgets, keys,
 
 class SpeculativeGenerator(Generator):
     """`Generator` with draft heads and a static or dynamic tree; greedy decoding or lossless speculative
-    sampling."""
+    sampling; the heads score the whole vocabulary or a draft vocabulary (`draft_vocab.DraftVocab`)."""
 
-    def __init__(self, model: Llama, heads: Heads, tree: Tree | DynamicTree, **kwargs):
+    def __init__(self, model: Llama, heads: Heads, tree: Tree | DynamicTree, *,
+                 draft_vocab: DraftVocab | None = None, **kwargs):
         super().__init__(model, **kwargs)
         if self.mesh is not None:
             shard_module(heads, self.mesh)
+            if draft_vocab is not None:
+                draft_vocab = place_draft_vocab(draft_vocab, self.mesh)
         if tree.max_depth > heads.num_heads:
             raise CloverError(f"tree depth {tree.max_depth} exceeds the {heads.num_heads} draft heads; "
                               "pick a shallower tree")
         self.heads = heads
         self.tree = tree
+        self.draft_vocab = draft_vocab
         head_graphdef, head_params = nnx.split(heads)
         self.graphdef = (self.graphdef, head_graphdef)
-        self.params = (self.params, head_params)
+        self.params = (self.params, head_params, draft_vocab)
 
     def _program(self):
         return generate_speculative

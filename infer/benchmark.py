@@ -35,6 +35,7 @@ from tqdm import tqdm
 from clover_jax.config import ModelConfig
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import Generator, bucket_for, continue_plain, start_plain, to_host
+from clover_jax.draft_vocab import DraftVocab, parse_size
 from clover_jax.errors import CloverError
 from clover_jax.model import Llama
 from clover_jax.sampling import SamplingConfig
@@ -54,7 +55,8 @@ SHAPES = {
 }
 
 EPILOG = """\
-Rows: one per method and batch size. tau = tokens per forward pass of the base model (bonus token
+Rows: one per method, tree, draft vocabulary and batch size. vocab = tokens the heads drafted from
+(all: the whole vocabulary; see --draft-vocab). tau = tokens per forward pass of the base model (bonus token
 included; plain = 1.00); accept@d = share of steps that accepted at least d drafted tokens; speedup =
 tokens/s over plain decoding's at the same batch size in this run; compiles = programs compiled over
 the prompt set (the bucket count is the most it should be). The bandwidth line divides the bytes a
@@ -71,6 +73,8 @@ class Row:
     batch_size: int
     tree: str = ""
     temperature: float = 0.0
+    draft_vocab: str = ""  # the --draft-vocab value of a speculative row
+    draft_vocab_size: int = 0  # tokens the heads drafted from; 0: the whole vocabulary
     tree_nodes: int = 1
     tau: float | None = 1.0  # None for the transformers rows (their steps are not ours to count)
     accept_per_depth: list[float] = dataclasses.field(default_factory=list)
@@ -83,6 +87,10 @@ class Row:
     compilations: int = 0
     buckets: int = 0
     matches_plain: bool | None = None
+
+    @property
+    def name(self) -> str:
+        return label(self.method, self.tree or None, self.temperature, self.draft_vocab)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "every head on a CPU, the default tree elsewhere), chain:K, widths:4,2,2, full:WxD, a "
                         "named tree, a JSON file of paths, or a dynamic tree dynamic:N / eagle2:N "
                         "(default: each method's default tree)")
+    p.add_argument("--draft-vocab", default="auto", metavar="LIST",
+                   help="comma-separated draft vocabularies to measure every speculative method with: N (the N "
+                        "most frequent tokens of the heads' training data), 0 (the whole vocabulary) or auto "
+                        "(99.9%% of those tokens when greedy, the whole vocabulary when sampling); with --shape, "
+                        "N drafts from N tokens of the random model and auto from all (default: %(default)s)")
     p.add_argument("--prompts", metavar="FILE",
                    help="JSONL prompts, one {\"prompt\": ...} per line (default: MODEL/prompts.jsonl)")
     p.add_argument("--num-prompts", type=int, default=24, metavar="N", help="first N prompts of the file (default: %(default)s)")
@@ -148,9 +161,12 @@ def _configs(specs: list[str], methods: list[str]) -> list[tuple[str, str | None
     return [("plain", None)] + [(m, t) for m, ts in trees.items() for t in (list(dict.fromkeys(ts)) or [None])]
 
 
-def label(method: str, tree: str | None, temperature: float = 0.0) -> str:
-    """A row's name: the method, for a speculative one its tree, and a temperature other than 0."""
+def label(method: str, tree: str | None, temperature: float = 0.0, draft_vocab: str | None = None) -> str:
+    """A row's name: the method, for a speculative one its tree and a draft vocabulary other than auto,
+    and a temperature other than 0."""
     name = method if method == "plain" or method.startswith("hf-") else f"{method} {tree or 'default'}"
+    if draft_vocab and draft_vocab != "auto":
+        name += f" dv={draft_vocab}"
     return name if not temperature else f"{name} T={temperature:g}"
 
 
@@ -301,10 +317,11 @@ def run_hf(path: Path, prompts: list[list[int]], batch_size: int, max_new: int, 
     return results
 
 
-def shape_step_times(shape: str, layers: int | None, configs: list[tuple[str, str | None]], batch_size: int,
+def shape_step_times(shape: str, layers: int | None, configs: list[tuple[str, str | None, str | None]], batch_size: int,
                      max_new: int, seed: int, progress, mesh=None) -> dict[str, dict]:
     """Plain and speculative step latency of a real architecture with random bfloat16 weights and random
-    heads (acceptance is irrelevant here: a step costs the same whatever it accepts)."""
+    heads (acceptance is irrelevant here: a step costs the same whatever it accepts). A numeric draft
+    vocabulary takes that many tokens (which ones does not change the time); auto, the whole vocabulary."""
     from clover_jax.heads import DEFAULT_NUM_HEADS, HeadsConfig, make_heads
     from clover_jax.speculative import SpeculativeGenerator
     from clover_jax.tree import resolve_tree
@@ -328,21 +345,25 @@ def shape_step_times(shape: str, layers: int | None, configs: list[tuple[str, st
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, cfg.vocab_size, prompt_len).tolist() for _ in range(batch_size)]
     out = {}
-    for method, tree in configs:
+    for method, tree, dv in configs:
         if method == "plain":
             gen = Generator(model, max_len=prompt_len + max_new, mesh=mesh)
         else:
             heads = make_heads(HeadsConfig(method, DEFAULT_NUM_HEADS[method]), model, seed=seed)
+            size = parse_size(dv)
+            size = 0 if size == "auto" or size >= cfg.vocab_size else size
+            vocab = DraftVocab.most_frequent(model.lm_head_weight(), None, size) if size else None
             gen = SpeculativeGenerator(model, heads, resolve_tree(tree, method, heads.num_heads),
-                                       max_len=prompt_len + max_new, mesh=mesh)
+                                       max_len=prompt_len + max_new, mesh=mesh, draft_vocab=vocab)
         gen.generate(prompts, max_new, eos_ids=())  # compile
         times = []
         for _ in range(3):
             o = gen.generate(prompts, max_new, eos_ids=())
             times.append(o.run_seconds / o.steps)
         progress.update(1)
-        out[label(method, tree)] = dict(step_ms=1e3 * statistics.median(times),
-                           tree_nodes=getattr(getattr(gen, "tree", None), "num_nodes", 1))
+        out[label(method, tree, draft_vocab=dv)] = dict(step_ms=1e3 * statistics.median(times),
+                                                    tree_nodes=getattr(getattr(gen, "tree", None), "num_nodes", 1),
+                                                    draft_vocab_size=size if method != "plain" else 0)
         del gen
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     return dict(shape=shape, layers=cfg.num_layers, batch_size=batch_size, weight_bytes=int(weight_bytes),
@@ -360,18 +381,19 @@ def machine_info(bandwidth: float) -> dict:
 
 
 def format_table(rows: list[Row]) -> str:
-    head = f"{'method':<17}{'batch':>5} {'tree':<22}{'tau':>6}{'tok/s':>9}{'speedup':>8}{'step ms':>9}" \
+    head = f"{'method':<17}{'batch':>5} {'tree':<22}{'vocab':>6}{'tau':>6}{'tok/s':>9}{'speedup':>8}{'step ms':>9}" \
            f"{'compile s':>10}{'compiles':>9}  accept@1..D"
     lines = [head, "-" * len(head)]
     for r in rows:
         tree = f"{r.tree} ({r.tree_nodes})" if r.tree else "-"
+        vocab = "-" if not r.tree else str(r.draft_vocab_size or "all")
         compiles = f"{r.compilations}/{r.buckets}" if r.buckets else "-"
         same = "" if r.matches_plain is None else ("" if r.matches_plain else "  OUTPUT DIFFERS FROM PLAIN")
         step = f"{r.step_ms:.2f}" if r.step_ms else "-"
         comp = f"{r.compile_s:.1f}" if r.buckets else "-"
         tau = "-" if r.tau is None else f"{r.tau:.2f}"
         name = r.method if not r.temperature else f"{r.method} T={r.temperature:g}"
-        lines.append(f"{name:<17}{r.batch_size:>5} {tree:<22}{tau:>6}{r.tokens_per_s:>9.1f}{r.speedup:>7.2f}x"
+        lines.append(f"{name:<17}{r.batch_size:>5} {tree:<22}{vocab:>6}{tau:>6}{r.tokens_per_s:>9.1f}{r.speedup:>7.2f}x"
                      f"{step:>9}{comp:>10}{compiles:>9}  {' '.join(f'{a:.2f}' for a in r.accept_per_depth)}{same}")
     return "\n".join(lines)
 
@@ -383,12 +405,12 @@ def plot(rows: list[Row], out: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(dict.fromkeys(label(r.method, r.tree, r.temperature) for r in rows))
+    names = list(dict.fromkeys(r.name for r in rows))
     sizes = sorted({r.batch_size for r in rows})
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     width = 0.8 / len(sizes)
     for k, b in enumerate(sizes):
-        by = {label(r.method, r.tree, r.temperature): r for r in rows if r.batch_size == b}
+        by = {r.name: r for r in rows if r.batch_size == b}
         xs = np.arange(len(names)) + k * width
         axes[0].bar(xs, [by[m].speedup if m in by else 0 for m in names], width, label=f"batch {b}")
         axes[1].bar(xs, [(by[m].tau or 0) if m in by else 0 for m in names], width, label=f"batch {b}")
@@ -401,7 +423,7 @@ def plot(rows: list[Row], out: str) -> None:
     curves = [r for r in rows if r.accept_per_depth and r.batch_size == sizes[0]]
     for r in curves:  # sampled rows dashed
         axes[2].plot(range(1, len(r.accept_per_depth) + 1), r.accept_per_depth, marker="o",
-                     ls="--" if r.temperature else "-", label=label(r.method, r.tree, r.temperature))
+                     ls="--" if r.temperature else "-", label=r.name)
     axes[2].set_title(f"steps accepting >= d drafted tokens (batch {sizes[0]})")
     axes[2].set_xlabel("depth d")
     axes[2].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
@@ -434,7 +456,9 @@ def _benchmark(args: argparse.Namespace) -> int:
                         ("--repeats", args.repeats)):
         if value < 1:
             raise CloverError(f"{flag} {value} must be >= 1")
-    configs = _configs(args.tree, methods)
+    draft_vocabs = list(dict.fromkeys(str(parse_size(v)) for v in args.draft_vocab.split(",") if v.strip())) or ["auto"]
+    configs = [(m, t, None if m == "plain" else dv) for m, t in _configs(args.tree, methods)
+               for dv in ([None] if m == "plain" else draft_vocabs)]
     path = cli.model_dir(args.model)
     cfg = ModelConfig.from_pretrained(path)
     tokenizer = cli.load_tokenizer(path)
@@ -459,16 +483,18 @@ def _benchmark(args: argparse.Namespace) -> int:
             plain_tokens = None
             for temp in temps:
                 sampling = SamplingConfig(temperature=temp)
-                for method, spec in configs:
-                    progress.set_postfix_str(f"{label(method, spec)}, batch {b}, T={temp:g}")
+                for method, spec, dv in configs:
+                    progress.set_postfix_str(f"{label(method, spec, draft_vocab=dv)}, batch {b}, T={temp:g}")
                     heads = None if method == "plain" else str(heads_root / method)
                     gen = make_generator(model, method, model_path=path, heads=heads, tree=spec, seed=args.seed,
-                                         mesh=mesh)
+                                         mesh=mesh, draft_vocab=dv, greedy=sampling.greedy)
                     stats, tokens = run_engine(gen, prompts, b, args.max_new_tokens, args.repeats, progress,
                                                sampling, args.seed)
                     tree = getattr(gen, "tree", None)
+                    vocab = getattr(gen, "draft_vocab", None)
                     row = Row(method=method, batch_size=b, tree="" if method == "plain" else spec or "default",
-                              temperature=temp, tree_nodes=tree.num_nodes if tree else 1, **stats)
+                              temperature=temp, draft_vocab=dv or "", draft_vocab_size=vocab.size if vocab else 0,
+                              tree_nodes=tree.num_nodes if tree else 1, **stats)
                     if method == "plain":
                         plain_tps = row.tokens_per_s
                         if temp == 0:
@@ -493,7 +519,8 @@ def _benchmark(args: argparse.Namespace) -> int:
             shape = shape_step_times(args.shape, args.shape_layers, configs, sizes[0], args.max_new_tokens,
                                      args.seed, progress, mesh)
             plain_ms = shape["methods"]["plain"]["step_ms"]
-            tau = {label(r.method, r.tree): r.tau for r in rows if r.batch_size == sizes[0] and r.temperature == temps[0]}
+            tau = {label(r.method, r.tree or None, draft_vocab=r.draft_vocab): r.tau for r in rows
+                   if r.batch_size == sizes[0] and r.temperature == temps[0]}
             for m, s in shape["methods"].items():
                 s["tau_reference"] = tau[m]
                 s["projected_speedup"] = tau[m] * plain_ms / s["step_ms"]
@@ -511,7 +538,7 @@ def _benchmark(args: argparse.Namespace) -> int:
     for b in sizes:
         hf = {r.method: r for r in rows if r.batch_size == b and r.method.startswith("hf-")}
         if "hf-generate" in hf:
-            ours = {label(r.method, r.tree, r.temperature): r.tokens_per_s for r in rows
+            ours = {r.name: r.tokens_per_s for r in rows
                     if r.batch_size == b and not r.method.startswith("hf-") and not r.temperature}
             ratios = ", ".join(f"{m} {t / hf['hf-generate'].tokens_per_s:.1f}x" for m, t in ours.items())
             print(f"against transformers generate, batch {b}: {ratios}")

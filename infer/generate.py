@@ -14,10 +14,11 @@ import sys
 
 import jax.numpy as jnp
 
-from clover_jax.checkpoint import load_heads
+from clover_jax.checkpoint import load_heads, load_token_counts
 from clover_jax.config import ModelConfig
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import Generator
+from clover_jax.draft_vocab import DraftVocab, resolve_size
 from clover_jax.errors import CloverError
 from clover_jax.heads import DEFAULT_NUM_HEADS, METHODS as HEAD_METHODS, HeadsConfig, make_heads
 from clover_jax.model import Llama
@@ -74,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "a budget of N nodes: dynamic:N (Clover's sampler) or eagle2:N (EAGLE-2's rerank), ',W' "
                         "after N sets the beam width. auto: the paper tree on a GPU or TPU, a chain through "
                         "every head on a CPU, where each verified token costs compute (default: %(default)s)")
+    p.add_argument("--draft-vocab", default="auto", metavar="N",
+                   help="tokens the heads draft from: the N most frequent in the heads' training data (counted "
+                        "at export), which cuts the lm_head read of every draft level to N/V of it and changes "
+                        "no output; 0: the whole vocabulary; auto: the tokens making up 99.9%% of the counts "
+                        "when greedy, the whole vocabulary when sampling (default: %(default)s)")
     p.add_argument("--num-heads", type=int, metavar="K",
                    help="number of heads with --heads random (default: medusa 4, clover 3, clover2 5)")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
@@ -106,13 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def make_generator(model: Llama, method: str, *, model_path, heads: str | None = None, tree: str | None = None,
                    num_heads: int | None = None, max_len: int | None = None, seed: int = 0,
-                   mesh=None) -> Generator:
+                   mesh=None, draft_vocab: str | int | None = "auto", greedy: bool = True) -> Generator:
     """The generator for `method`: plain, or a speculative one with its heads (a directory, "random",
-    or None for the ones shipped beside the model) and its tree (a spec; None for the method's default)."""
+    or None for the ones shipped beside the model), its tree (a spec; None for the method's default)
+    and its draft vocabulary (a `--draft-vocab` value; `greedy` says which `auto` means)."""
     if max_len is not None and max_len < 2:
         raise CloverError(f"--max-len {max_len} must be >= 2 (a prompt token plus a new one)")
     if method == "plain":
         return Generator(model, max_len=max_len, mesh=mesh)
+    vocab_size = model.cfg.vocab_size
+    counts = None
     if heads == "random":
         draft = make_heads(HeadsConfig(method, num_heads or DEFAULT_NUM_HEADS[method]), model, seed=seed)
     else:
@@ -121,8 +130,11 @@ def make_generator(model: Llama, method: str, *, model_path, heads: str | None =
             raise CloverError(f"no {method} heads at {shipped}; pass --heads DIR, or --heads random "
                               "for untrained heads")
         draft = load_heads(heads or shipped, model, method)
+        counts = load_token_counts(heads or shipped, vocab_size)
+    size = resolve_size(draft_vocab, counts, vocab_size, greedy)
+    vocab = DraftVocab.most_frequent(model.lm_head_weight(), counts, size) if size else None
     return SpeculativeGenerator(model, draft, resolve_tree(tree, method, draft.num_heads), max_len=max_len,
-                                mesh=mesh)
+                                mesh=mesh, draft_vocab=vocab)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -138,7 +150,8 @@ def _generate(args: argparse.Namespace) -> int:
     mesh = cli.mesh_of(args)
     _, model = load_pretrained(path, dtype=DTYPES[args.dtype], mesh=mesh)
     generator = make_generator(model, args.method, model_path=args.model, heads=args.heads, tree=args.tree,
-                               num_heads=args.num_heads, max_len=args.max_len, seed=args.seed, mesh=mesh)
+                               num_heads=args.num_heads, max_len=args.max_len, seed=args.seed, mesh=mesh,
+                               draft_vocab=args.draft_vocab, greedy=sampling.greedy)
     new_tokens = steps = 0
     seq_steps = 0
     compile_s = run_s = 0.0
@@ -163,6 +176,9 @@ def _generate(args: argparse.Namespace) -> int:
     tau = new_tokens / max(seq_steps, 1)
     tree = getattr(generator, "tree", None)
     shape = "" if tree is None else f" tree={tree.num_nodes} nodes, depth {tree.max_depth}"
+    if tree is not None:
+        vocab = generator.draft_vocab
+        shape += f", drafting from {'all' if vocab is None else vocab.size} tokens"
     print(f"[{args.method}]{shape} new_tokens={new_tokens} steps={steps} tau={tau:.2f} "
           f"tokens/s={new_tokens / max(run_s, 1e-9):.1f} compile={compile_s:.2f}s run={run_s:.2f}s", file=sys.stderr)
     return 0

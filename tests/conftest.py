@@ -176,5 +176,6 @@ class TableHeads(Heads):
     def node_state(self, base, k, state, token):
         return state
 
-    def node_logits(self, base, k, state, token):
-        return self.table[...][k][token]
+    def node_logits(self, base, k, state, token, vocab=None):
+        logits = self.table[...][k][token]
+        return logits if vocab is None else vocab.take(logits)

@@ -48,6 +48,7 @@ def test_benchmark_runs_and_reports(tmp_path, capsys):
     (["--repeats", "0"], "--repeats 0 must be >= 1"),
     (["--temperatures", "0,hot"], "expected comma-separated numbers"),
     (["--tree", "plain=chain:2"], "plain decoding has no tree"),
+    (["--methods", "medusa", "--draft-vocab", "many"], "--draft-vocab 'many': give auto, 0"),
     (["--prompts", "/nonexistent.jsonl"], "/nonexistent.jsonl"),
 ])
 def test_benchmark_bad_input_is_one_line(args, message, capsys):
@@ -56,12 +57,25 @@ def test_benchmark_bad_input_is_one_line(args, message, capsys):
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
 
 
-def test_benchmark_sampling_rows(tmp_path):
-    """--temperatures adds sampled rows (speculative sampling: tau >= 1, no token-equality claim)."""
+def test_benchmark_sampling_and_draft_vocabulary_rows(tmp_path):
+    """--temperatures adds sampled rows (speculative sampling: tau >= 1, no token-equality claim), and
+    --draft-vocab one row per vocabulary: auto is the shipped heads' 128 tokens when greedy and the whole
+    vocabulary when sampling; --shape drafts from N tokens of its own vocabulary."""
     out = tmp_path / "bench.json"
     assert benchmark.main(["--methods", "plain,medusa", "--tree", "chain:1", "--num-prompts", "1", "--batch-sizes", "1",
-                           "--max-new-tokens", "4", "--repeats", "1", "--temperatures", "0,1", "--json", str(out)]) == 0
-    rows = {(r["method"], r["temperature"]): r for r in json.loads(out.read_text())["results"]}
-    assert set(rows) == {("plain", 0.0), ("medusa", 0.0), ("plain", 1.0), ("medusa", 1.0)}
-    assert rows[("medusa", 0.0)]["matches_plain"] is True and rows[("medusa", 1.0)]["matches_plain"] is None
-    assert rows[("medusa", 1.0)]["tau"] >= 1 and rows[("plain", 1.0)]["speedup"] == 1.0
+                           "--max-new-tokens", "4", "--repeats", "1", "--temperatures", "0,1",
+                           "--draft-vocab", "0,auto,160", "--shape", "tiny", "--shape-layers", "1",
+                           "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {(r["method"], r["temperature"], r["draft_vocab"]): r for r in result["results"]}
+    spec = [("medusa", t, dv) for t in (0.0, 1.0) for dv in ("0", "auto", "160")]
+    assert set(rows) == {("plain", 0.0, ""), ("plain", 1.0, "")} | set(spec)
+    sizes = {k: rows[k]["draft_vocab_size"] for k in spec}
+    assert sizes == {("medusa", 0.0, "0"): 0, ("medusa", 0.0, "auto"): 128, ("medusa", 0.0, "160"): 160,
+                     ("medusa", 1.0, "0"): 0, ("medusa", 1.0, "auto"): 0, ("medusa", 1.0, "160"): 160}
+    assert all(rows[k]["matches_plain"] is True for k in spec if k[1] == 0)
+    assert all(rows[k]["matches_plain"] is None and rows[k]["tau"] >= 1 for k in spec if k[1] == 1)
+    assert rows[("plain", 1.0, "")]["speedup"] == 1.0
+    shape = result["shape"]["methods"]
+    assert {m: s["draft_vocab_size"] for m, s in shape.items()} == {
+        "plain": 0, "medusa chain:1 dv=0": 0, "medusa chain:1": 0, "medusa chain:1 dv=160": 160}

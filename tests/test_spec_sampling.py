@@ -4,7 +4,8 @@ A tiny model (24-token vocabulary) with peaked distributions; its exact distribu
 sampled tokens under a sampling setting is computed by enumerating every prefix. Tens of thousands of
 speculative samples (one per sequence of a large batch; fixed seeds, so the test is deterministic) must
 pass a chi-square test against it for every method, at temperature 1 and 0.7 and with top-p 0.9, on
-static and dynamic trees; the same test must reject a deliberately wrong acceptance rule.
+static and dynamic trees, and with a draft vocabulary; the same test must reject a deliberately wrong
+acceptance rule.
 """
 
 import itertools
@@ -18,6 +19,7 @@ from flax import nnx
 
 from clover_jax import speculative
 from clover_jax.config import ModelConfig
+from clover_jax.draft_vocab import DraftVocab
 from clover_jax.heads import HeadsConfig, make_heads
 from clover_jax.model import Llama, causal_self_mask
 from clover_jax.sampling import SamplingConfig, distribution
@@ -85,12 +87,15 @@ def table_heads(base) -> TableHeads:
     return TableHeads(base.cfg, table)
 
 
-def sample_tokens(base, method: str, sampling: SamplingConfig, tree: str = TREE) -> np.ndarray:
+def sample_tokens(base, method: str, sampling: SamplingConfig, tree: str = TREE, draft_vocab: int = 0) -> np.ndarray:
+    """Samples of the first NEW tokens; with `draft_vocab`, the heads draft from the first that many ids."""
     if method == "table":
         heads = table_heads(base)
     else:
         heads = noisy(make_heads(HeadsConfig(method, 3), base, seed=2), 0.05, seed=3, replace=False)
-    gen = SpeculativeGenerator(base, heads, resolve_tree(tree, "clover" if method == "table" else method, 3))
+    vocab = DraftVocab.most_frequent(base.lm_head_weight(), None, draft_vocab) if draft_vocab else None
+    gen = SpeculativeGenerator(base, heads, resolve_tree(tree, "clover" if method == "table" else method, 3),
+                               draft_vocab=vocab)
     rows = []
     for seed in range(DRAWS):
         out = gen.generate([PREFIX] * BATCH, NEW, sampling, seed=seed, eos_ids=())
@@ -118,6 +123,18 @@ CASES = [("medusa", SamplingConfig(temperature=1.0), TREE),
          ("clover", SamplingConfig(temperature=1.0, top_p=0.9), TREE),
          ("table", SamplingConfig(temperature=1.0), "eagle2:7"),
          ("table", SamplingConfig(temperature=0.7, top_p=0.9), "dynamic:7")]
+
+
+@pytest.mark.parametrize("method, tree", [("clover2", TREE), ("table", "dynamic:7")], ids=["static", "dynamic"])
+def test_sampling_stays_exact_with_a_draft_vocabulary(base, method, tree):
+    """Drafting from 16 of the 24 tokens: q is 0 on the other 8, which the base model still writes
+    (through the residual), and the output keeps its distribution."""
+    sampling = SamplingConfig(temperature=1.0)
+    joint = exact_joint(base, sampling)
+    assert joint.sum(axis=(0, 2, 3))[16:].sum() > 0.05  # the left-out tokens matter at t2
+    tokens = sample_tokens(base, method, sampling, tree, draft_vocab=16)
+    pv = p_values(tokens, joint)
+    assert min(pv.values()) > 1e-3, pv
 
 
 @pytest.mark.parametrize("method, sampling, tree", CASES,

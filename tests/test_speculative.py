@@ -18,11 +18,13 @@ from flax import nnx
 from clover_jax.cache import KVCache
 from clover_jax.config import ModelConfig
 from clover_jax.decode import Generator, prefill
+from clover_jax.draft_vocab import DraftVocab
 from clover_jax.errors import CloverError
 from clover_jax.heads import DEFAULT_NUM_HEADS, Heads, HeadsConfig, make_heads
 from clover_jax.model import Llama
 from clover_jax.sampling import SamplingConfig
-from clover_jax.speculative import SpeculativeGenerator, StepTree, accept_greedy, compact, draft_dynamic, update_context
+from clover_jax.speculative import (SpeculativeGenerator, StepTree, accept_greedy, compact, draft, draft_dynamic,
+                                   update_context)
 from clover_jax.tree import DynamicTree, Tree, chain, resolve_tree
 from conftest import TableHeads, assert_one_line
 
@@ -196,6 +198,35 @@ def test_greedy_matches_plain(ref, fresh, random_generators, method, spec, batch
         check_run(out, want, prompts, budgets, ref, fresh, gen)
 
 
+DRAFT_VOCAB_CASES = [("clover2", "chain:3", 4), ("medusa", "widths:4,2", 1), ("clover", "dynamic:8", 4)]
+
+
+@pytest.mark.parametrize("method, spec, batch", DRAFT_VOCAB_CASES, ids=[f"{m}-{s}" for m, s, _ in DRAFT_VOCAB_CASES])
+def test_greedy_matches_plain_with_a_draft_vocabulary(ref, fresh, method, spec, batch):
+    """Heads drafting from only half of the tokens the continuations use (so some of them can never be
+    drafted) still write exactly the plain greedy text, and every drafted token is in the subset."""
+    counts = np.bincount(np.concatenate(ref.free), minlength=ref.base.cfg.vocab_size)
+    vocab = DraftVocab.most_frequent(ref.base.lm_head_weight(), counts, int((counts > 0).sum()) // 2)
+    heads = perturb(make_heads(HeadsConfig(method, DEFAULT_NUM_HEADS[method]), ref.base, seed=3), seed=4)
+    gen = SpeculativeGenerator(ref.base, heads, resolve_tree(spec, method, heads.num_heads), draft_vocab=vocab)
+    rows = range(len(PROMPTS)) if batch == len(PROMPTS) else [EOS_ROW]
+    prompts = [PROMPTS[i] for i in rows]
+    out = gen.generate(prompts, MAX_NEW, budgets=[BUDGETS[i] for i in rows])
+    want = [truncate(ref.free[i], BUDGETS[i], ref.eos) for i in rows]
+    check_run(out, want, prompts, [BUDGETS[i] for i in rows], ref, fresh, gen)
+    out = gen.generate(PROMPTS, MAX_NEW)
+    assert out.tokens == ref.full
+
+    roots = jnp.asarray(np.arange(16, dtype=np.int32))
+    context = jnp.asarray(np.random.default_rng(0).normal(size=(16, ref.base.cfg.hidden_size)), jnp.float32)
+    if isinstance(gen.tree, DynamicTree):
+        tokens, st, _ = draft_dynamic(ref.base, heads, gen.tree, context, roots, vocab=vocab)
+        drafted = np.asarray(tokens)[np.asarray(st.valid) & (np.arange(gen.tree.num_nodes) > 0)]
+    else:
+        drafted = np.asarray(draft(ref.base, heads, gen.tree, context, roots, vocab=vocab)[0])[:, 1:]
+    assert drafted.size and np.isin(drafted, np.asarray(vocab.ids)).all()
+
+
 # ---------------------------------------------------------------- oracle drafter
 
 
@@ -226,10 +257,11 @@ class OracleHeads(Heads):
     def node_state(self, base, k, state, token):
         return state
 
-    def node_logits(self, base, k, state, token):
+    def node_logits(self, base, k, state, token, vocab=None):
         v = self.noise.shape[-1]
-        return (self.noise[...][token] + 100 * jax.nn.one_hot(self.first[...][token], v)
-                + 50 * jax.nn.one_hot(self.second[...][token], v))
+        logits = (self.noise[...][token] + 100 * jax.nn.one_hot(self.first[...][token], v)
+                  + 50 * jax.nn.one_hot(self.second[...][token], v))
+        return logits if vocab is None else vocab.take(logits)
 
 
 def bigram(ref) -> dict[int, int]:

@@ -25,6 +25,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from clover_jax.checkpoint import save_heads
+from clover_jax.draft_vocab import token_counts
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import to_host
 from clover_jax.errors import CloverError
@@ -232,7 +233,8 @@ def run(args) -> int:
     nnx.update(heads, params)
     extra = {"training": {k: v for k, v in vars(args).items() if k != "resume"}, "final_step": args.steps,
              "held_out": ev}
-    save_heads(heads, base, args.out, extra=extra)
+    save_heads(heads, base, args.out, extra=extra,
+               token_counts=token_counts(data.tokens, data.loss_mask, base.cfg.vocab_size))
     print(f"saved {args.method} heads to {args.out}" + (f": held-out top1 {ev['val_top1']}" if ev else ""))
     return 0
 

@@ -1,0 +1,101 @@
+"""The draft vocabulary: which tokens it keeps, how a `--draft-vocab` value is read, the token counts
+on disk beside the heads. That drafting from it changes no greedy output is in test_speculative, that
+speculative sampling stays exact with it in test_spec_sampling."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import save_file
+
+from clover_jax.checkpoint import COUNTS, load_token_counts, save_heads
+from clover_jax.config import ModelConfig
+from clover_jax.draft_vocab import ALIGN, DraftVocab, parse_size, resolve_size, token_counts
+from clover_jax.errors import CloverError
+from clover_jax.heads import HeadsConfig, make_heads
+from clover_jax.model import Llama
+from conftest import assert_one_line
+
+
+def test_token_counts_count_only_the_trained_on_targets():
+    tokens = np.array([5, 5, 2, 7, 5, 2, 9])
+    mask = np.array([0, 1, 1, 1, 1, 0, 0], np.uint8)
+    np.testing.assert_array_equal(token_counts(tokens, mask, 10), [0, 0, 1, 0, 0, 2, 0, 1, 0, 0])
+
+
+def test_auto_covers_the_counts_greedily_and_takes_everything_when_sampling():
+    v = 4 * ALIGN
+    counts = np.zeros(v, np.int64)
+    counts[:150] = 1000  # 150 common tokens: 99.99% of the mass with the rare ones below
+    counts[150:160] = 1
+    assert resolve_size("auto", counts, v) == 2 * ALIGN  # 150 needed, rounded up to a multiple of ALIGN
+    assert resolve_size("auto", counts, v, greedy=False) == 0
+    assert resolve_size(None, None, v) == 0  # no counts (random heads): the whole vocabulary
+    assert resolve_size("auto", counts, ALIGN + 10) == 0  # rounded up past V: the whole vocabulary
+    assert resolve_size("0", counts, v) == 0
+    assert resolve_size("100", counts, v, greedy=False) == 100  # an explicit size is kept, unrounded
+    assert resolve_size(v, None, v) == 0  # N >= V needs no counts
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("many", "--draft-vocab 'many': give auto, 0"),
+    ("-3", "--draft-vocab -3 must be >= 0"),
+])
+def test_bad_sizes_are_one_line(spec, message):
+    with pytest.raises(CloverError, match=message) as err:
+        parse_size(spec)
+    assert_one_line(err)
+
+
+def test_a_size_without_counts_says_what_to_do():
+    with pytest.raises(CloverError, match="carry no token counts.*train.train.*--draft-vocab 0") as err:
+        resolve_size("16", None, 64)
+    assert_one_line(err)
+
+
+def test_most_frequent_keeps_the_top_tokens_and_their_rows():
+    table = jnp.arange(10 * 3, dtype=jnp.float32).reshape(10, 3)
+    counts = np.array([0, 9, 3, 9, 0, 7, 1, 0, 2, 0])
+    vocab = DraftVocab.most_frequent(table, counts, 4)
+    np.testing.assert_array_equal(vocab.ids, [1, 2, 3, 5])
+    np.testing.assert_array_equal(vocab.rows, np.asarray(table)[[1, 2, 3, 5]])
+    hidden = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3)), jnp.float32)
+    full = hidden @ table.T
+    np.testing.assert_allclose(vocab.logits(hidden), vocab.take(full), rtol=1e-6)
+    np.testing.assert_array_equal(vocab.token(jnp.array([[0, 3]])), [[1, 5]])
+    q = jnp.array([0.1, 0.2, 0.3, 0.4])
+    expanded = np.asarray(vocab.expand(q, 10))
+    assert expanded.sum() == pytest.approx(1.0) and expanded[[0, 4, 6, 7, 8, 9]].sum() == 0
+    np.testing.assert_allclose(expanded[[1, 2, 3, 5]], q)
+    with pytest.raises(CloverError, match="counts cover 3 tokens but the model has 10"):
+        DraftVocab.most_frequent(table, counts[:3], 2)
+    with pytest.raises(CloverError, match="does not fit"):
+        DraftVocab.most_frequent(table, counts, 11)
+
+
+@pytest.fixture(scope="module")
+def base():
+    return Llama(ModelConfig.tiny(), rngs=nnx.Rngs(0))
+
+
+def test_counts_are_saved_beside_the_heads_and_replaced_with_them(base, tmp_path):
+    heads = make_heads(HeadsConfig("medusa", 1), base)
+    v = base.cfg.vocab_size
+    assert load_token_counts(tmp_path, v) is None  # heads exported before counts existed
+    counts = np.arange(v)
+    save_heads(heads, base, tmp_path, token_counts=counts)
+    np.testing.assert_array_equal(load_token_counts(tmp_path, v), counts)
+    save_heads(heads, base, tmp_path)  # new heads without counts: the old heads' counts go with them
+    assert not (tmp_path / COUNTS).exists()
+
+
+@pytest.mark.parametrize("damage, message", [("garbage", "cannot read the token counts"),
+                                             ("short", "counts for 3 tokens, but the model has 64")])
+def test_damaged_counts_are_one_line(damage, message, base, tmp_path):
+    if damage == "garbage":
+        (tmp_path / COUNTS).write_bytes(b"not safetensors")
+    else:
+        save_file({"counts": np.zeros(3, np.int64)}, str(tmp_path / COUNTS))
+    with pytest.raises(CloverError, match=message) as err:
+        load_token_counts(tmp_path, base.cfg.vocab_size)
+    assert_one_line(err)
