@@ -21,6 +21,7 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from clover_jax.convert import write_safetensors
+from clover_jax.draft_vocab import DraftVocab, resolve_size
 from clover_jax.errors import CloverError
 from clover_jax.heads import Heads, HeadsConfig, make_heads
 from clover_jax.model import Llama
@@ -92,6 +93,17 @@ def load_token_counts(heads_dir: str | Path, vocab_size: int) -> np.ndarray | No
         raise CloverError(f"{path}: counts for {counts.size} tokens, but the model has {vocab_size}; "
                           "these heads belong to another model")
     return counts
+
+
+def load_draft_vocab(heads_dir: str | Path | None, base: Llama, spec: str | int | None = "auto",
+                     greedy: bool = True) -> DraftVocab | None:
+    """The draft vocabulary a `--draft-vocab` value (`spec`) asks for, picked with the token counts saved
+    beside the heads in `heads_dir` (None: heads without counts, such as random ones); None when that
+    is the whole vocabulary. `greedy` says which `auto` means (see `draft_vocab.resolve_size`)."""
+    v = base.cfg.vocab_size
+    counts = None if heads_dir is None else load_token_counts(heads_dir, v)
+    size = resolve_size(spec, counts, v, greedy)
+    return DraftVocab.most_frequent(base.lm_head_weight(), counts, size) if size else None
 
 
 def load_heads(heads_dir: str | Path, base: Llama, method: str | None = None) -> Heads:

@@ -14,11 +14,10 @@ import sys
 
 import jax.numpy as jnp
 
-from clover_jax.checkpoint import load_heads, load_token_counts
+from clover_jax.checkpoint import load_draft_vocab, load_heads
 from clover_jax.config import ModelConfig
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import Generator
-from clover_jax.draft_vocab import DraftVocab, resolve_size
 from clover_jax.errors import CloverError
 from clover_jax.heads import DEFAULT_NUM_HEADS, METHODS as HEAD_METHODS, HeadsConfig, make_heads
 from clover_jax.model import Llama
@@ -120,19 +119,16 @@ def make_generator(model: Llama, method: str, *, model_path, heads: str | None =
         raise CloverError(f"--max-len {max_len} must be >= 2 (a prompt token plus a new one)")
     if method == "plain":
         return Generator(model, max_len=max_len, mesh=mesh)
-    vocab_size = model.cfg.vocab_size
-    counts = None
     if heads == "random":
         draft = make_heads(HeadsConfig(method, num_heads or DEFAULT_NUM_HEADS[method]), model, seed=seed)
+        vocab = load_draft_vocab(None, model, draft_vocab, greedy)
     else:
         shipped = cli.model_dir(model_path) / "heads" / method
         if heads is None and not shipped.is_dir():
             raise CloverError(f"no {method} heads at {shipped}; pass --heads DIR, or --heads random "
                               "for untrained heads")
         draft = load_heads(heads or shipped, model, method)
-        counts = load_token_counts(heads or shipped, vocab_size)
-    size = resolve_size(draft_vocab, counts, vocab_size, greedy)
-    vocab = DraftVocab.most_frequent(model.lm_head_weight(), counts, size) if size else None
+        vocab = load_draft_vocab(heads or shipped, model, draft_vocab, greedy)
     return SpeculativeGenerator(model, draft, resolve_tree(tree, method, draft.num_heads), max_len=max_len,
                                 mesh=mesh, draft_vocab=vocab)
 

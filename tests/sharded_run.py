@@ -1,5 +1,5 @@
 """Run by tests/test_sharding.py in a fresh process with 8 virtual CPU devices (XLA_FLAGS must be set
-before JAX starts): greedy plain and speculative generation on several meshes, printed as JSON."""
+before JAX starts): greedy plain and speculative generation (also with a draft vocabulary) on several meshes, printed as JSON."""
 
 import json
 import sys
@@ -9,6 +9,7 @@ from flax import nnx
 
 from clover_jax.config import ModelConfig
 from clover_jax.decode import Generator
+from clover_jax.draft_vocab import DraftVocab
 from clover_jax.heads import HeadsConfig, make_heads
 from clover_jax.model import Llama
 from clover_jax.sharding import make_mesh
@@ -31,12 +32,16 @@ def run(mesh_spec):
     plain = Generator(base, mesh=mesh).generate(PROMPTS, 8, eos_ids=()).tokens
     spec_gen = SpeculativeGenerator(base, heads, resolve_tree("widths:2,2,1", "clover2", 3), mesh=mesh)
     out = spec_gen.generate(PROMPTS, 8, eos_ids=())
+    vocab = DraftVocab.most_frequent(base.lm_head_weight(), None, 32)
+    vocab_gen = SpeculativeGenerator(base, heads, resolve_tree("chain:3", "clover2", 3), mesh=mesh, draft_vocab=vocab)
     info = {}
     if mesh is not None:
         kernel = base.layers[0].mlp.gate_proj.kernel.get_value()
         info = {"gate_proj": str(kernel.sharding.spec), "gate_proj_shards": len({str(s.index) for s in kernel.addressable_shards}),
-                "cache": str(out.state.cache.k[0].sharding.spec), "aug_cache": str(out.state.aug_cache.k[0].sharding.spec)}
-    return {"plain": plain, "speculative": out.tokens, **info}
+                "cache": str(out.state.cache.k[0].sharding.spec), "aug_cache": str(out.state.aug_cache.k[0].sharding.spec),
+                "draft_vocab_rows": str(vocab_gen.draft_vocab.rows.sharding.spec)}
+    return {"plain": plain, "speculative": out.tokens,
+            "draft_vocab": vocab_gen.generate(PROMPTS, 8, eos_ids=()).tokens, **info}
 
 
 if __name__ == "__main__":

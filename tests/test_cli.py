@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -24,8 +25,8 @@ from infer import cli, generate
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FLAGS = ("--model", "--prompt", "--prompts", "--chat", "--method", "--max-new-tokens", "--temperature",
          "--top-p", "--top-k", "--seed", "--dtype", "--max-len", "--batch-size", "--json",
-         "--heads", "--tree", "--num-heads", "--mesh", "--coordinator", "--num-processes", "--process-id")
-STATS = re.compile(r"^\[(plain|medusa|clover|clover2)\]( tree=\d+ nodes, depth \d+)? "
+         "--heads", "--tree", "--draft-vocab", "--num-heads", "--mesh", "--coordinator", "--num-processes", "--process-id")
+STATS = re.compile(r"^\[(plain|medusa|clover|clover2)\]( tree=\d+ nodes, depth \d+, drafting from (all|\d+) tokens)? "
                    r"new_tokens=\d+ steps=\d+ tau=[\d.]+ tokens/s=[\d.]+ compile=[\d.]+s run=[\d.]+s$")
 NEW = 6  # new tokens per prompt in every test, so most tests share one compiled shape
 
@@ -81,12 +82,21 @@ def test_speculative_methods_print_the_plain_text(method, model_dir, hf_tok, lib
     code, out, err = run_cli(capsys, "--model", model_dir, "--prompt", prompt, "--max-new-tokens", NEW,
                              "--method", method, "--heads", "random", "--tree", "chain:2")
     assert (code, out) == (0, expected), err
-    assert STATS.match(err.strip()) and err.startswith(f"[{method}] tree=3 nodes, depth 2 "), err
+    assert STATS.match(err.strip()) and err.startswith(f"[{method}] tree=3 nodes, depth 2, drafting from all "), err
     _, model = load_pretrained(model_dir)
-    save_heads(make_heads(HeadsConfig(method, 2), model, seed=1), model, tmp_path / "heads")
+    counts = np.zeros(model.cfg.vocab_size, np.int64)
+    counts[tokens] = 1  # the continuation's own tokens: auto drafts from them (rounded up to 128 ids)
+    save_heads(make_heads(HeadsConfig(method, 2), model, seed=1), model, tmp_path / "heads", token_counts=counts)
     code, out, err = run_cli(capsys, "--model", model_dir, "--prompt", prompt, "--max-new-tokens", NEW,
                              "--method", method, "--heads", tmp_path / "heads")
     assert (code, out) == (0, expected), err
+    assert "drafting from 128 tokens" in err, err
+    code, out, err = run_cli(capsys, "--model", model_dir, "--prompt", prompt, "--max-new-tokens", NEW,
+                             "--method", method, "--heads", tmp_path / "heads", "--draft-vocab", 3)
+    assert (code, out) == (0, expected) and "drafting from 3 tokens" in err, err
+    code, out, err = run_cli(capsys, "--model", model_dir, "--prompt", prompt, "--max-new-tokens", NEW,
+                             "--method", method, "--heads", "random", "--draft-vocab", 3)
+    assert code == 2 and "carry no token counts" in err and err.count("\n") == 1
     code, out, err = run_cli(capsys, "--model", model_dir, "--prompt", prompt, "--method", method)
     assert code == 2 and err.startswith(f"error: no {method} heads at") and err.count("\n") == 1
     other = make_heads(HeadsConfig(method, 2), Llama(model.cfg, rngs=nnx.Rngs(5)))

@@ -91,7 +91,8 @@ def test_llama3_notebook_on_a_tiny_local_checkpoint(monkeypatch, tmp_path):
     assert "wrote 8 examples" in printed
     first, last = map(float, re.search(r"held-out loss ([\d.]+) at step 1 -> ([\d.]+) at step 4", printed).groups())
     assert last < first
-    assert (work / "heads" / "heads.json").is_file()
+    assert (work / "heads" / "heads.json").is_file() and (work / "heads" / "token_counts.safetensors").is_file()
+    assert re.search(r"drafting from (\d+|all) tokens", printed)
     assert re.search(r"parameters loaded in \d+s over mesh model=2: .* on each device, as worked out on paper", printed)
     assert "same text as plain decoding: True" in printed
     assert "2/2 answers identical to plain decoding" in printed

@@ -34,12 +34,14 @@ def test_sharded_generation_matches_one_device(sharded_results, mesh):
     one, sharded = sharded_results["None"], sharded_results[mesh]
     assert sharded["plain"] == one["plain"]
     assert sharded["speculative"] == one["speculative"] == one["plain"]
+    assert sharded["draft_vocab"] == one["draft_vocab"] == one["plain"]
 
 
 def test_params_and_caches_really_are_sharded(sharded_results):
     r = sharded_results["data=2,model=4"]
     assert r["gate_proj"] == str(PartitionSpec(None, "model")) and r["gate_proj_shards"] == 4
     assert r["cache"] == str(PartitionSpec("data", "model")) == r["aug_cache"]
+    assert r["draft_vocab_rows"] == str(PartitionSpec("model", None))  # split over the vocabulary, as lm_head is
     assert sharded_results["fsdp=2,model=4"]["gate_proj"] == str(PartitionSpec("fsdp", "model"))
     assert sharded_results["data=8,model=1"]["cache"] == str(PartitionSpec("data"))
 
