@@ -8,7 +8,9 @@ and optionally the Hugging Face `transformers` peer and a 7B/8B-shaped model's s
 
 Every prompt generates exactly --max-new-tokens tokens (EOS is not a stop), so every method does the
 same work; greedy outputs are checked against plain decoding's on the way. Times are medians over
---repeats passes over the prompt set, after a warm-up pass that also compiles every bucket.
+--repeats passes over the prompt set, after a warm-up pass that also compiles every bucket; the
+methods take their timed passes in turn, round by round, so a shared host's drifting load reaches
+them all alike.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from tqdm import tqdm
 
 from clover_jax.config import ModelConfig
 from clover_jax.convert import load_pretrained
-from clover_jax.decode import Generator, bucket_for, continue_plain, start_plain, to_host
+from clover_jax.decode import Generator, GenerationOutput, bucket_for, continue_plain, start_plain, to_host
 from clover_jax.draft_vocab import DraftVocab, parse_size
 from clover_jax.errors import CloverError
 from clover_jax.model import Llama
@@ -194,39 +196,52 @@ def _padded_batches(prompts: list[list[int]], size: int):
         yield group + [group[0]] * (size - real), real
 
 
-def run_engine(generator: Generator, prompts: list[list[int]], batch_size: int, max_new: int,
-               repeats: int, progress, sampling: SamplingConfig = SamplingConfig(),
-               seed: int = 0) -> tuple[dict, list[list[int]]]:
-    """Warm-up pass (compiles every bucket), then `repeats` timed passes. Returns statistics and tokens."""
-    buckets = {bucket_for(max(len(p) for p in group), generator.buckets)
-               for group, _ in _padded_batches(prompts, batch_size)}
-    compile_s, tokens = 0.0, []
-    seconds, steps, seq_steps, hist = [], 0, 0, None
-    for rep in range(repeats + 1):
-        run_s = 0.0
-        for k, (group, real) in enumerate(_padded_batches(prompts, batch_size)):
-            out = generator.generate(group, max_new, sampling, seed=seed + k, eos_ids=(),
-                                     budgets=[max_new] * real + [0] * (len(group) - real))
-            progress.update(1)
-            if rep == 0:
-                compile_s += out.compile_seconds
-                tokens += out.tokens[:real]
-                steps += out.steps
-                seq_steps += sum(out.sequence_steps[:real])
-                if out.accept_hist is not None:
-                    h = out.accept_hist[:real].sum(0)
-                    hist = h if hist is None else hist + h
-            else:
-                run_s += out.run_seconds
-        if rep:
-            seconds.append(run_s)
-    new = sum(len(t) for t in tokens)
-    run_s = statistics.median(seconds)
-    accept = [] if hist is None else [float(hist[d:].sum() / max(hist.sum(), 1)) for d in range(1, len(hist))]
-    stats = dict(tau=new / max(seq_steps, 1), accept_per_depth=accept, tokens_per_s=new / run_s,
-                 step_ms=1e3 * run_s / max(steps, 1), steps=steps, new_tokens=new, compile_s=compile_s,
-                 compilations=generator.compilations, buckets=len(buckets))
-    return stats, tokens
+def engine_pass(generator: Generator, prompts: list[list[int]], batch_size: int, max_new: int,
+                sampling: SamplingConfig, seed: int, progress) -> list[tuple[GenerationOutput, int]]:
+    """One pass over the prompts in batches: each batch's output and how many of its rows are real."""
+    outs = []
+    for k, (group, real) in enumerate(_padded_batches(prompts, batch_size)):
+        outs.append((generator.generate(group, max_new, sampling, seed=seed + k, eos_ids=(),
+                                        budgets=[max_new] * real + [0] * (len(group) - real)), real))
+        progress.update(1)
+    return outs
+
+
+def run_engines(generators: dict[str, Generator], prompts: list[list[int]], batch_size: int, max_new: int,
+                repeats: int, progress, sampling: SamplingConfig = SamplingConfig(),
+                seed: int = 0) -> dict[str, tuple[dict, list[list[int]]]]:
+    """Statistics and tokens per generator: a warm-up pass of each (compiling every bucket; tokens and
+    acceptance come from it), then `repeats` rounds in which each generator makes one timed pass in
+    turn. A shared host's load drifts over a run; taking the generators in turn within every round
+    exposes them all to the same drift, so the ratios between them hold when the absolute rates move."""
+    warm = {}
+    for name, gen in generators.items():
+        progress.set_postfix_str(f"{name}, batch {batch_size}, T={sampling.temperature:g}, warm-up")
+        warm[name] = engine_pass(gen, prompts, batch_size, max_new, sampling, seed, progress)
+    seconds: dict[str, list[float]] = {name: [] for name in generators}
+    for rep in range(repeats):
+        progress.set_postfix_str(f"batch {batch_size}, T={sampling.temperature:g}, timed round {rep + 1}/{repeats}")
+        for name, gen in generators.items():
+            outs = engine_pass(gen, prompts, batch_size, max_new, sampling, seed, progress)
+            seconds[name].append(sum(out.run_seconds for out, _ in outs))
+    results = {}
+    for name, gen in generators.items():
+        outs = warm[name]
+        tokens = [t for out, real in outs for t in out.tokens[:real]]
+        steps = sum(out.steps for out, _ in outs)
+        seq_steps = sum(sum(out.sequence_steps[:real]) for out, real in outs)
+        hists = [out.accept_hist[:real].sum(0) for out, real in outs if out.accept_hist is not None]
+        hist = sum(hists) if hists else None
+        new = sum(len(t) for t in tokens)
+        run_s = statistics.median(seconds[name])
+        accept = [] if hist is None else [float(hist[d:].sum() / max(hist.sum(), 1)) for d in range(1, len(hist))]
+        stats = dict(tau=new / max(seq_steps, 1), accept_per_depth=accept, tokens_per_s=new / run_s,
+                     step_ms=1e3 * run_s / max(steps, 1), steps=steps, new_tokens=new,
+                     compile_s=sum(out.compile_seconds for out, _ in outs), compilations=gen.compilations,
+                     buckets=len({bucket_for(max(len(p) for p in group), gen.buckets)
+                                  for group, _ in _padded_batches(prompts, batch_size)}))
+        results[name] = (stats, tokens)
+    return results
 
 
 def plain_phases(generator: Generator, prompts: list[list[int]], max_new: int, repeats: int) -> dict:
@@ -407,7 +422,8 @@ def plot(rows: list[Row], out: str) -> None:
 
     names = list(dict.fromkeys(r.name for r in rows))
     sizes = sorted({r.batch_size for r in rows})
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    bars = max(4.5, 0.3 * len(names))  # inches per bar panel: room for every label
+    fig, axes = plt.subplots(1, 3, figsize=(2 * bars + 5.5, 4.2), width_ratios=(bars, bars, 5.5))
     width = 0.8 / len(sizes)
     for k, b in enumerate(sizes):
         by = {r.name: r for r in rows if r.batch_size == b}
@@ -483,13 +499,16 @@ def _benchmark(args: argparse.Namespace) -> int:
             plain_tokens = None
             for temp in temps:
                 sampling = SamplingConfig(temperature=temp)
+                generators = {}
                 for method, spec, dv in configs:
-                    progress.set_postfix_str(f"{label(method, spec, draft_vocab=dv)}, batch {b}, T={temp:g}")
                     heads = None if method == "plain" else str(heads_root / method)
-                    gen = make_generator(model, method, model_path=path, heads=heads, tree=spec, seed=args.seed,
-                                         mesh=mesh, draft_vocab=dv, greedy=sampling.greedy)
-                    stats, tokens = run_engine(gen, prompts, b, args.max_new_tokens, args.repeats, progress,
-                                               sampling, args.seed)
+                    generators[label(method, spec, draft_vocab=dv)] = make_generator(
+                        model, method, model_path=path, heads=heads, tree=spec, seed=args.seed, mesh=mesh,
+                        draft_vocab=dv, greedy=sampling.greedy)
+                measured = run_engines(generators, prompts, b, args.max_new_tokens, args.repeats, progress,
+                                       sampling, args.seed)
+                for (method, spec, dv), (name, gen) in zip(configs, generators.items()):
+                    stats, tokens = measured[name]
                     tree = getattr(gen, "tree", None)
                     vocab = getattr(gen, "draft_vocab", None)
                     row = Row(method=method, batch_size=b, tree="" if method == "plain" else spec or "default",
@@ -500,12 +519,14 @@ def _benchmark(args: argparse.Namespace) -> int:
                         if temp == 0:
                             plain_tokens = tokens
                             if b == 1:
+                                progress.set_postfix_str("plain decoding against the bandwidth limit")
                                 phases = plain_phases(gen, prompts, args.max_new_tokens, args.repeats)
                                 efficiency = plain_efficiency(model, prompts, args.max_new_tokens, phases, bandwidth)
                     elif temp == 0:
                         row.matches_plain = tokens == plain_tokens
                     row.speedup = row.tokens_per_s / plain_tps
                     rows.append(row)
+                del generators, measured
             plain_tps = next(r.tokens_per_s for r in rows if r.method == "plain" and r.batch_size == b)
             if args.hf:
                 for name, (stats, tokens) in run_hf(path, prompts, b, args.max_new_tokens, args.repeats,
