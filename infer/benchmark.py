@@ -422,7 +422,7 @@ def plot(rows: list[Row], out: str) -> None:
 
     names = list(dict.fromkeys(r.name for r in rows))
     sizes = sorted({r.batch_size for r in rows})
-    bars = max(4.5, 0.3 * len(names))  # inches per bar panel: room for every label
+    bars = max(4.5, 0.4 * len(names))  # inches per bar panel: room for every label
     fig, axes = plt.subplots(1, 3, figsize=(2 * bars + 5.5, 4.2), width_ratios=(bars, bars, 5.5))
     width = 0.8 / len(sizes)
     for k, b in enumerate(sizes):
@@ -432,7 +432,7 @@ def plot(rows: list[Row], out: str) -> None:
         axes[1].bar(xs, [(by[m].tau or 0) if m in by else 0 for m in names], width, label=f"batch {b}")
     for ax, title in ((axes[0], "speedup over plain (tokens/s ratio)"), (axes[1], "tau: tokens per base forward")):
         ax.set_xticks(np.arange(len(names)) + width * (len(sizes) - 1) / 2)
-        ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
+        ax.set_xticklabels(names, rotation=50, ha="right", rotation_mode="anchor", fontsize=8)
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_title(title)
         ax.legend()
