@@ -37,7 +37,7 @@ from tqdm import tqdm
 from clover_jax.config import ModelConfig
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import Generator, GenerationOutput, bucket_for, continue_plain, start_plain, to_host
-from clover_jax.draft_vocab import DraftVocab, parse_size
+from clover_jax.draft_vocab import DraftVocab, parse_size, resolve_size
 from clover_jax.errors import CloverError
 from clover_jax.model import Llama
 from clover_jax.sampling import SamplingConfig
@@ -360,14 +360,15 @@ def shape_step_times(shape: str, layers: int | None, configs: list[tuple[str, st
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, cfg.vocab_size, prompt_len).tolist() for _ in range(batch_size)]
     out = {}
+    no_counts = np.zeros(cfg.vocab_size, np.int64)  # random heads: no token more frequent than another
     for method, tree, dv in configs:
+        size = 0
         if method == "plain":
             gen = Generator(model, max_len=prompt_len + max_new, mesh=mesh)
         else:
             heads = make_heads(HeadsConfig(method, DEFAULT_NUM_HEADS[method]), model, seed=seed)
-            size = parse_size(dv)
-            size = 0 if size == "auto" or size >= cfg.vocab_size else size
-            vocab = DraftVocab.most_frequent(model.lm_head_weight(), None, size) if size else None
+            size = resolve_size(dv, no_counts, cfg.vocab_size)  # auto: the whole vocabulary, as no counts give
+            vocab = DraftVocab.most_frequent(model.lm_head_weight(), no_counts, size) if size else None
             gen = SpeculativeGenerator(model, heads, resolve_tree(tree, method, heads.num_heads),
                                        max_len=prompt_len + max_new, mesh=mesh, draft_vocab=vocab)
         gen.generate(prompts, max_new, eos_ids=())  # compile
@@ -378,7 +379,7 @@ def shape_step_times(shape: str, layers: int | None, configs: list[tuple[str, st
         progress.update(1)
         out[label(method, tree, draft_vocab=dv)] = dict(step_ms=1e3 * statistics.median(times),
                                                     tree_nodes=getattr(getattr(gen, "tree", None), "num_nodes", 1),
-                                                    draft_vocab_size=size if method != "plain" else 0)
+                                                    draft_vocab_size=size)
         del gen
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     return dict(shape=shape, layers=cfg.num_layers, batch_size=batch_size, weight_bytes=int(weight_bytes),

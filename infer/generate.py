@@ -121,16 +121,16 @@ def make_generator(model: Llama, method: str, *, model_path, heads: str | None =
         return Generator(model, max_len=max_len, mesh=mesh)
     if heads == "random":
         draft = make_heads(HeadsConfig(method, num_heads or DEFAULT_NUM_HEADS[method]), model, seed=seed)
-        vocab = load_draft_vocab(None, model, draft_vocab, greedy)
+        heads_dir = None  # no token counts: auto drafts from the whole vocabulary
     else:
         shipped = cli.model_dir(model_path) / "heads" / method
         if heads is None and not shipped.is_dir():
             raise CloverError(f"no {method} heads at {shipped}; pass --heads DIR, or --heads random "
                               "for untrained heads")
-        draft = load_heads(heads or shipped, model, method)
-        vocab = load_draft_vocab(heads or shipped, model, draft_vocab, greedy)
+        heads_dir = heads or shipped
+        draft = load_heads(heads_dir, model, method)
     return SpeculativeGenerator(model, draft, resolve_tree(tree, method, draft.num_heads), max_len=max_len,
-                                mesh=mesh, draft_vocab=vocab)
+                                mesh=mesh, draft_vocab=load_draft_vocab(heads_dir, model, draft_vocab, greedy))
 
 
 def _generate(args: argparse.Namespace) -> int:
