@@ -174,9 +174,12 @@ def label(method: str, tree: str | None, temperature: float = 0.0, draft_vocab: 
 
 # ------------------------------------------------------------------------------------------ measuring
 
-def measure_bandwidth(megabytes: int = 256, repeats: int = 7) -> float:
+def measure_bandwidth(megabytes: int | None = None, repeats: int = 7) -> float:
     """The device's streaming-read bandwidth in bytes/s: a jitted sum over an array far larger than any
-    cache (median of `repeats`)."""
+    cache (median of `repeats`). 256 MB on a CPU; 4 GB on an accelerator, whose TB/s would otherwise read
+    256 MB in less time than a dispatch takes."""
+    if megabytes is None:
+        megabytes = 256 if jax.devices()[0].platform == "cpu" else 4096
     x = jnp.ones((megabytes << 18,), jnp.float32)
     total = jax.jit(jnp.sum)
     jax.block_until_ready(total(x))
@@ -332,6 +335,29 @@ def run_hf(path: Path, prompts: list[list[int]], batch_size: int, max_new: int, 
     return results
 
 
+def random_model(shape: str, layers: int | None = None, seed: int = 0, mesh=None) -> Llama:
+    """A `SHAPES` architecture with random bfloat16 weights (0.02 x normal), drawn on (and, with a mesh,
+    straight into the shards of) the devices: a 16 GB model never passes through the host."""
+    fields = dict(SHAPES[shape], model_type="llama", rms_norm_eps=1e-5, tie_word_embeddings=False)
+    if layers:
+        fields["num_hidden_layers"] = layers
+    cfg = ModelConfig.from_hf_dict(fields)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Llama(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(seed))))
+    counter = itertools.count()
+    draws = {}  # one compiled draw per (shape, dtype, sharding): 32 identical layers compile once
+
+    def init(path, var):
+        a, key = var.get_value(), jax.random.fold_in(jax.random.key(seed), next(counter))
+        sharding = param_sharding(path, var, mesh) if mesh else None
+        spec = (a.shape, a.dtype, sharding)
+        if spec not in draws:
+            draws[spec] = jax.jit(lambda k: (0.02 * jax.random.normal(k, a.shape, jnp.float32)).astype(a.dtype),
+                                  out_shardings=sharding)
+        return var.replace(draws[spec](key))
+
+    return nnx.merge(graphdef, nnx.map_state(init, abstract))
+
+
 def shape_step_times(shape: str, layers: int | None, configs: list[tuple[str, str | None, str | None]], batch_size: int,
                      max_new: int, seed: int, progress, mesh=None) -> dict[str, dict]:
     """Plain and speculative step latency of a real architecture with random bfloat16 weights and random
@@ -341,21 +367,8 @@ def shape_step_times(shape: str, layers: int | None, configs: list[tuple[str, st
     from clover_jax.speculative import SpeculativeGenerator
     from clover_jax.tree import resolve_tree
 
-    fields = dict(SHAPES[shape], model_type="llama", rms_norm_eps=1e-5, tie_word_embeddings=False)
-    if layers:
-        fields["num_hidden_layers"] = layers
-    cfg = ModelConfig.from_hf_dict(fields)
-    model = nnx.eval_shape(lambda: Llama(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(seed)))
-    graphdef, abstract = nnx.split(model)
-    counter = itertools.count()
-
-    def init(path, var):  # drawn on (and, with a mesh, straight into the shards of) the devices
-        a, key = var.get_value(), jax.random.fold_in(jax.random.key(seed), next(counter))
-        draw = lambda: (0.02 * jax.random.normal(key, a.shape, jnp.float32)).astype(a.dtype)
-        return var.replace(jax.jit(draw, out_shardings=param_sharding(path, var, mesh) if mesh else None)())
-
-    params = nnx.map_state(init, abstract)
-    model = nnx.merge(graphdef, params)
+    model = random_model(shape, layers, seed, mesh)
+    cfg = model.cfg
     prompt_len = 128
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, cfg.vocab_size, prompt_len).tolist() for _ in range(batch_size)]
@@ -371,17 +384,17 @@ def shape_step_times(shape: str, layers: int | None, configs: list[tuple[str, st
             vocab = DraftVocab.most_frequent(model.lm_head_weight(), no_counts, size) if size else None
             gen = SpeculativeGenerator(model, heads, resolve_tree(tree, method, heads.num_heads),
                                        max_len=prompt_len + max_new, mesh=mesh, draft_vocab=vocab)
-        gen.generate(prompts, max_new, eos_ids=())  # compile
+        compile_s = gen.generate(prompts, max_new, eos_ids=()).compile_seconds
         times = []
         for _ in range(3):
             o = gen.generate(prompts, max_new, eos_ids=())
             times.append(o.run_seconds / o.steps)
         progress.update(1)
-        out[label(method, tree, draft_vocab=dv)] = dict(step_ms=1e3 * statistics.median(times),
+        out[label(method, tree, draft_vocab=dv)] = dict(step_ms=1e3 * statistics.median(times), compile_s=compile_s,
                                                     tree_nodes=getattr(getattr(gen, "tree", None), "num_nodes", 1),
                                                     draft_vocab_size=size)
         del gen
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     return dict(shape=shape, layers=cfg.num_layers, batch_size=batch_size, weight_bytes=int(weight_bytes),
                 methods=out)
 
@@ -414,7 +427,8 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[Row], out: str) -> None:
+def plot(rows: list[Row], out: str, shape: dict | None = None) -> None:
+    """Speedup and tau per row, acceptance per depth; with `--shape`, also its projected speedups."""
     import matplotlib
     import matplotlib.ticker
 
@@ -424,7 +438,9 @@ def plot(rows: list[Row], out: str) -> None:
     names = list(dict.fromkeys(r.name for r in rows))
     sizes = sorted({r.batch_size for r in rows})
     bars = max(4.5, 0.4 * len(names))  # inches per bar panel: room for every label
-    fig, axes = plt.subplots(1, 3, figsize=(2 * bars + 5.5, 4.2), width_ratios=(bars, bars, 5.5))
+    shaped = list(shape["methods"]) if shape else []
+    widths = (bars, bars) + ((max(4.5, 0.4 * len(shaped)),) if shaped else ()) + (5.5,)
+    fig, axes = plt.subplots(1, len(widths), figsize=(sum(widths), 4.2), width_ratios=widths)
     width = 0.8 / len(sizes)
     for k, b in enumerate(sizes):
         by = {r.name: r for r in rows if r.batch_size == b}
@@ -437,16 +453,26 @@ def plot(rows: list[Row], out: str) -> None:
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_title(title)
         ax.legend()
+    if shaped:
+        ax, methods = axes[2], shape["methods"]
+        heights = [methods[m]["projected_speedup"] for m in shaped]
+        ax.bar(np.arange(len(shaped)), heights, 0.6, color="tab:green")
+        for i, m in enumerate(shaped):
+            ax.annotate(f"{methods[m]['step_ms']:.1f}", (i, heights[i]), ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(np.arange(len(shaped)))
+        ax.set_xticklabels(shaped, rotation=50, ha="right", rotation_mode="anchor", fontsize=8)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_title(f"--shape {shape['shape']}: projected speedup\n(tau x plain step / step; step ms on bars)", fontsize=10)
     curves = [r for r in rows if r.accept_per_depth and r.batch_size == sizes[0]]
     for r in curves:  # sampled rows dashed
-        axes[2].plot(range(1, len(r.accept_per_depth) + 1), r.accept_per_depth, marker="o",
+        axes[-1].plot(range(1, len(r.accept_per_depth) + 1), r.accept_per_depth, marker="o",
                      ls="--" if r.temperature else "-", label=r.name)
-    axes[2].set_title(f"steps accepting >= d drafted tokens (batch {sizes[0]})")
-    axes[2].set_xlabel("depth d")
-    axes[2].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-    axes[2].set_ylim(0, 1)
+    axes[-1].set_title(f"steps accepting >= d drafted tokens (batch {sizes[0]})")
+    axes[-1].set_xlabel("depth d")
+    axes[-1].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    axes[-1].set_ylim(0, 1)
     if curves:  # beside the panel: with many rows a legend inside would hide the curves
-        axes[2].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1), ncol=1 + len(curves) // 16)
+        axes[-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1), ncol=1 + len(curves) // 16)
     fig.tight_layout()
     tmp = Path(out).with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=110, bbox_inches="tight")
@@ -569,7 +595,7 @@ def _benchmark(args: argparse.Namespace) -> int:
               f"{shape['weight_bytes'] / 1e9:.2f} GB of weights; bandwidth limit {shape['limit_step_ms']:.2f} ms/step):")
         for m, s in shape["methods"].items():
             print(f"  {m:<24} step {s['step_ms']:8.2f} ms  nodes {s['tree_nodes']:>3}  tau(reference) {s['tau_reference']:.2f}"
-                  f"  projected speedup {s['projected_speedup']:.2f}x")
+                  f"  projected speedup {s['projected_speedup']:.2f}x  (compiled in {s['compile_s']:.0f} s)")
     result = {"results": [dataclasses.asdict(r) for r in rows], "plain_efficiency": efficiency, "shape": shape,
               "machine": machine_info(bandwidth),
               "settings": dict(model=str(path), prompts=str(prompt_file), num_prompts=len(prompts),
@@ -579,7 +605,7 @@ def _benchmark(args: argparse.Namespace) -> int:
     if args.json:
         _write_json(result, args.json)
     if args.plot:
-        plot(rows, args.plot)
+        plot(rows, args.plot, shape)
     return 0
 
 
