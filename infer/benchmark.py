@@ -427,6 +427,13 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def _label_bars(ax, names: list[str], offset: float = 0.0) -> None:
+    """A bar panel's x labels, slanted so long row names stay readable, and the 1.0 line."""
+    ax.set_xticks(np.arange(len(names)) + offset)
+    ax.set_xticklabels(names, rotation=50, ha="right", rotation_mode="anchor", fontsize=8)
+    ax.axhline(1.0, color="grey", lw=0.8)
+
+
 def plot(rows: list[Row], out: str, shape: dict | None = None) -> None:
     """Speedup and tau per row, acceptance per depth; with `--shape`, also its projected speedups."""
     import matplotlib
@@ -448,9 +455,7 @@ def plot(rows: list[Row], out: str, shape: dict | None = None) -> None:
         axes[0].bar(xs, [by[m].speedup if m in by else 0 for m in names], width, label=f"batch {b}")
         axes[1].bar(xs, [(by[m].tau or 0) if m in by else 0 for m in names], width, label=f"batch {b}")
     for ax, title in ((axes[0], "speedup over plain (tokens/s ratio)"), (axes[1], "tau: tokens per base forward")):
-        ax.set_xticks(np.arange(len(names)) + width * (len(sizes) - 1) / 2)
-        ax.set_xticklabels(names, rotation=50, ha="right", rotation_mode="anchor", fontsize=8)
-        ax.axhline(1.0, color="grey", lw=0.8)
+        _label_bars(ax, names, width * (len(sizes) - 1) / 2)
         ax.set_title(title)
         ax.legend()
     if shaped:
@@ -459,14 +464,12 @@ def plot(rows: list[Row], out: str, shape: dict | None = None) -> None:
         ax.bar(np.arange(len(shaped)), heights, 0.6, color="tab:green")
         for i, m in enumerate(shaped):
             ax.annotate(f"{methods[m]['step_ms']:.1f}", (i, heights[i]), ha="center", va="bottom", fontsize=7)
-        ax.set_xticks(np.arange(len(shaped)))
-        ax.set_xticklabels(shaped, rotation=50, ha="right", rotation_mode="anchor", fontsize=8)
-        ax.axhline(1.0, color="grey", lw=0.8)
+        _label_bars(ax, shaped)
         ax.set_title(f"--shape {shape['shape']}: projected speedup\n(tau x plain step / step; step ms on bars)", fontsize=10)
     curves = [r for r in rows if r.accept_per_depth and r.batch_size == sizes[0]]
     for r in curves:  # sampled rows dashed
         axes[-1].plot(range(1, len(r.accept_per_depth) + 1), r.accept_per_depth, marker="o",
-                     ls="--" if r.temperature else "-", label=r.name)
+                      ls="--" if r.temperature else "-", label=r.name)
     axes[-1].set_title(f"steps accepting >= d drafted tokens (batch {sizes[0]})")
     axes[-1].set_xlabel("depth d")
     axes[-1].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
