@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gzip
 import itertools
 import json
 import os
@@ -130,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "meant for an accelerator) and project speedup = tau (reference model) x plain step / spec step")
     p.add_argument("--shape-layers", type=int, metavar="L", help="with --shape: keep only the first L layers (a quicker, smaller run)")
     p.add_argument("--mesh", metavar="SPEC", help="shard the engine over devices, e.g. data=2,model=4 (default: one device)")
+    p.add_argument("--profile", metavar="DIR",
+                   help="also trace one batch of each method (first batch size and temperature) with jax.profiler "
+                        "into DIR/<method> (Perfetto traces, for ui.perfetto.dev or TensorBoard) and report each "
+                        "method's most costly operations per step: kernels on an accelerator, XLA ops on a CPU")
     p.add_argument("--json", metavar="OUT", help="write the results as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="write a PNG: speedup and tau per method, acceptance per depth")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of random heads and random --shape weights (default: %(default)s)")
@@ -245,6 +250,36 @@ def run_engines(generators: dict[str, Generator], prompts: list[list[int]], batc
                                   for group, _ in _padded_batches(prompts, batch_size)}))
         results[name] = (stats, tokens)
     return results
+
+
+def profile_ops(generator: Generator, group: list[list[int]], max_new: int, sampling: SamplingConfig, seed: int,
+                out_dir: Path, top: int = 10) -> list[dict]:
+    """Trace one generation of `group` (an already compiled batch) into `out_dir` and rank its operations
+    by time per step: on an accelerator the device's kernels, on a CPU the events of XLA operations
+    (those naming an `hlo_op`). This is how the GPU profile in docs/benchmarks.md was read."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with jax.profiler.trace(str(out_dir), create_perfetto_trace=True):
+        out = generator.generate(group, max_new, sampling, seed=seed, eos_ids=())
+    traces = sorted(out_dir.glob("**/*perfetto_trace.json.gz"), key=os.path.getmtime)
+    if not traces:
+        raise CloverError(f"jax.profiler wrote no Perfetto trace under {out_dir}; is the profiler plugin installed?")
+    with gzip.open(traces[-1]) as f:
+        events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device = {pid for pid, name in procs.items() if name.startswith("/device:")}
+    totals: dict[str, list[float]] = {}
+    containers = ("while", "conditional", "call")  # their time is their body's operations', counted apart
+    for e in events:
+        if e.get("ph") != "X" or e["name"].split(".")[0] in containers:
+            continue
+        if e["pid"] in device if device else "hlo_op" in (e.get("args") or {}):
+            t = totals.setdefault(e["name"], [0, 0.0])
+            t[0] += 1
+            t[1] += float(e.get("dur", 0.0))
+    steps = max(out.steps, 1)
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
+    return [dict(op=name, calls_per_step=calls / steps, us_per_step=us / steps) for name, (calls, us) in ranked]
 
 
 def plain_phases(generator: Generator, prompts: list[list[int]], max_new: int, repeats: int) -> dict:
@@ -523,6 +558,7 @@ def _benchmark(args: argparse.Namespace) -> int:
     temps = _numbers(args.temperatures, "--temperatures", float, "numbers", "0,1", 0)
     total = sum(per_size.values()) * len(configs) * len(temps) + hf_passes + (len(configs) if args.shape else 0)
     rows: list[Row] = []
+    profiles: dict[str, list[dict]] = {}
     efficiency = None
     with tqdm(total=total, desc="benchmark", unit="batch", file=sys.stderr) as progress:
         for b in sizes:
@@ -537,6 +573,12 @@ def _benchmark(args: argparse.Namespace) -> int:
                         draft_vocab=dv, greedy=sampling.greedy)
                 measured = run_engines(generators, prompts, b, args.max_new_tokens, args.repeats, progress,
                                        sampling, args.seed)
+                if args.profile and b == sizes[0] and temp == temps[0]:
+                    group = next(_padded_batches(prompts, b))[0]
+                    for name, gen in generators.items():
+                        progress.set_postfix_str(f"{name}, profiling")
+                        profiles[name] = profile_ops(gen, group, args.max_new_tokens, sampling, args.seed,
+                                                     Path(args.profile) / name.replace(" ", "_").replace(":", ""))
                 for (method, spec, dv), (name, gen) in zip(configs, generators.items()):
                     stats, tokens = measured[name]
                     tree = getattr(gen, "tree", None)
@@ -599,7 +641,12 @@ def _benchmark(args: argparse.Namespace) -> int:
         for m, s in shape["methods"].items():
             print(f"  {m:<24} step {s['step_ms']:8.2f} ms  nodes {s['tree_nodes']:>3}  tau(reference) {s['tau_reference']:.2f}"
                   f"  projected speedup {s['projected_speedup']:.2f}x  (compiled in {s['compile_s']:.0f} s)")
+    for name, ops in profiles.items():
+        print(f"\nprofile, {name} (batch {sizes[0]}): most costly operations per step")
+        for op in ops[:6]:
+            print(f"  {op['us_per_step']:9.1f} us  {op['calls_per_step']:6.1f} calls  {op['op'][:90]}")
     result = {"results": [dataclasses.asdict(r) for r in rows], "plain_efficiency": efficiency, "shape": shape,
+              "profile": profiles or None,
               "machine": machine_info(bandwidth),
               "settings": dict(model=str(path), prompts=str(prompt_file), num_prompts=len(prompts),
                                max_new_tokens=args.max_new_tokens, repeats=args.repeats, dtype=args.dtype,

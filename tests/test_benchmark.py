@@ -12,9 +12,19 @@ def test_benchmark_runs_and_reports(tmp_path, capsys):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     code = benchmark.main(["--methods", "plain,medusa,clover2", "--num-prompts", "3", "--batch-sizes", "1,2",
                            "--max-new-tokens", "6", "--repeats", "1", "--tree", "medusa=chain:2", "--tree", "medusa=chain:1", "--hf",
-                           "--shape", "tiny", "--shape-layers", "1", "--json", str(out), "--plot", str(png)])
+                           "--shape", "tiny", "--shape-layers", "1", "--json", str(out), "--plot", str(png),
+                           "--profile", str(tmp_path / "profile")])
     assert code == 0
     result = json.loads(out.read_text())
+    # --profile: a Perfetto trace per method of the first batch size, and its costliest XLA ops per step
+    profile = result["profile"]
+    assert set(profile) == {"plain", "medusa chain:2", "medusa chain:1", "clover2 default"}
+    for name, ops in profile.items():
+        assert ops and all(op["us_per_step"] > 0 and op["calls_per_step"] > 0 for op in ops)
+        assert ops == sorted(ops, key=lambda op: -op["us_per_step"])
+        assert not any(op["op"].startswith("while") for op in ops)  # a loop's time is its body's
+        folder = tmp_path / "profile" / name.replace(" ", "_").replace(":", "")
+        assert list(folder.glob("**/*perfetto_trace.json.gz"))
     rows = {(r["method"], r["tree"], r["batch_size"]): r for r in result["results"]}
     configs = [("plain", ""), ("medusa", "chain:2"), ("medusa", "chain:1"), ("clover2", "default"), ("hf-generate", "")]
     assert set(rows) == {(m, t, b) for m, t in configs for b in (1, 2)} | {("hf-prompt-lookup", "", 1)}
@@ -38,6 +48,7 @@ def test_benchmark_runs_and_reports(tmp_path, capsys):
     assert all(s["step_ms"] > 0 and s["projected_speedup"] > 0 for s in shape["methods"].values())
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = capsys.readouterr().out
+    assert "profile, clover2 default (batch 1): most costly operations per step" in table
     assert "hf-prompt-lookup" in table and "of the limit" in table and "projected speedup" in table
 
 
