@@ -256,7 +256,7 @@ def profile_ops(generator: Generator, group: list[list[int]], max_new: int, samp
                 out_dir: Path, top: int = 10) -> list[dict]:
     """Trace one generation of `group` (an already compiled batch) into `out_dir` and rank its operations
     by time per step: on an accelerator the device's kernels, on a CPU the events of XLA operations
-    (those naming an `hlo_op`). This is how the GPU profile in docs/benchmarks.md was read."""
+    (those naming an `hlo_op`): the reading behind the GPU profile in docs/benchmarks.md."""
     out_dir.mkdir(parents=True, exist_ok=True)
     with jax.profiler.trace(str(out_dir), create_perfetto_trace=True):
         out = generator.generate(group, max_new, sampling, seed=seed, eos_ids=())
