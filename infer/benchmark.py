@@ -23,6 +23,7 @@ import itertools
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
 import sys
@@ -250,6 +251,11 @@ def run_engines(generators: dict[str, Generator], prompts: list[list[int]], batc
                                   for group, _ in _padded_batches(prompts, batch_size)}))
         results[name] = (stats, tokens)
     return results
+
+
+def profile_folder(name: str) -> str:
+    """A row name as one folder name: a tree given as a file path must not nest folders."""
+    return re.sub(r"[^\w.=,-]+", "_", name)
 
 
 def profile_ops(generator: Generator, group: list[list[int]], max_new: int, sampling: SamplingConfig, seed: int,
@@ -578,7 +584,7 @@ def _benchmark(args: argparse.Namespace) -> int:
                     for name, gen in generators.items():
                         progress.set_postfix_str(f"{name}, profiling")
                         profiles[name] = profile_ops(gen, group, args.max_new_tokens, sampling, args.seed,
-                                                     Path(args.profile) / name.replace(" ", "_").replace(":", ""))
+                                                     Path(args.profile) / profile_folder(name))
                 for (method, spec, dv), (name, gen) in zip(configs, generators.items()):
                     stats, tokens = measured[name]
                     tree = getattr(gen, "tree", None)

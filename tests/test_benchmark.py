@@ -23,8 +23,9 @@ def test_benchmark_runs_and_reports(tmp_path, capsys):
         assert ops and all(op["us_per_step"] > 0 and op["calls_per_step"] > 0 for op in ops)
         assert ops == sorted(ops, key=lambda op: -op["us_per_step"])
         assert not any(op["op"].startswith("while") for op in ops)  # a loop's time is its body's
-        folder = tmp_path / "profile" / name.replace(" ", "_").replace(":", "")
+        folder = tmp_path / "profile" / benchmark.profile_folder(name)
         assert list(folder.glob("**/*perfetto_trace.json.gz"))
+    assert benchmark.profile_folder("medusa trees/my tree.json dv=32768") == "medusa_trees_my_tree.json_dv=32768"
     rows = {(r["method"], r["tree"], r["batch_size"]): r for r in result["results"]}
     configs = [("plain", ""), ("medusa", "chain:2"), ("medusa", "chain:1"), ("clover2", "default"), ("hf-generate", "")]
     assert set(rows) == {(m, t, b) for m, t in configs for b in (1, 2)} | {("hf-prompt-lookup", "", 1)}
