@@ -401,9 +401,10 @@ def random_model(shape: str, layers: int | None = None, seed: int = 0, mesh=None
 
 def shape_step_times(shape: str, layers: int | None, configs: list[tuple[str, str | None, str | None]], batch_size: int,
                      max_new: int, seed: int, progress, mesh=None) -> dict[str, dict]:
-    """Plain and speculative step latency of a real architecture with random bfloat16 weights and random
-    heads (acceptance is irrelevant here: a step costs the same whatever it accepts). A numeric draft
-    vocabulary takes that many tokens (which ones does not change the time); auto, the whole vocabulary."""
+    """Plain and speculative step latency (the decoding loop's, the prefill apart) of a real architecture
+    with random bfloat16 weights and random heads (acceptance is irrelevant here: a step costs the same
+    whatever it accepts). A numeric draft vocabulary takes that many tokens (which ones does not change
+    the time); auto, the whole vocabulary."""
     from clover_jax.heads import DEFAULT_NUM_HEADS, HeadsConfig, make_heads
     from clover_jax.speculative import SpeculativeGenerator
     from clover_jax.tree import resolve_tree
@@ -426,14 +427,20 @@ def shape_step_times(shape: str, layers: int | None, configs: list[tuple[str, st
             gen = SpeculativeGenerator(model, heads, resolve_tree(tree, method, heads.num_heads),
                                        max_len=prompt_len + max_new, mesh=mesh, draft_vocab=vocab)
         compile_s = gen.generate(prompts, max_new, eos_ids=()).compile_seconds
-        times = []
+        # The same program with a budget of one token runs the prefill alone; the loop's steps are the
+        # difference, so a prefill (a step of its own kind) does not dilute the step time.
+        whole, alone = [], []
         for _ in range(3):
             o = gen.generate(prompts, max_new, eos_ids=())
-            times.append(o.run_seconds / o.steps)
+            p = gen.generate(prompts, max_new, eos_ids=(), budgets=[1] * batch_size)
+            whole.append(o.run_seconds)
+            alone.append(p.run_seconds)
+        loop_steps = o.steps - p.steps
         progress.update(1)
-        out[label(method, tree, draft_vocab=dv)] = dict(step_ms=1e3 * statistics.median(times), compile_s=compile_s,
-                                                    tree_nodes=getattr(getattr(gen, "tree", None), "num_nodes", 1),
-                                                    draft_vocab_size=size)
+        out[label(method, tree, draft_vocab=dv)] = dict(
+            step_ms=1e3 * (statistics.median(whole) - statistics.median(alone)) / loop_steps,
+            prefill_ms=1e3 * statistics.median(alone), loop_steps=loop_steps, compile_s=compile_s,
+            tree_nodes=getattr(getattr(gen, "tree", None), "num_nodes", 1), draft_vocab_size=size)
         del gen
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     return dict(shape=shape, layers=cfg.num_layers, batch_size=batch_size, weight_bytes=int(weight_bytes),
