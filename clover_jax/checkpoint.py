@@ -24,6 +24,7 @@ from clover_jax.convert import write_safetensors
 from clover_jax.draft_vocab import DraftVocab, resolve_size
 from clover_jax.errors import CloverError
 from clover_jax.heads import Heads, HeadsConfig, make_heads
+from clover_jax.layers import from_stored, stored_parts, to_stored
 from clover_jax.model import Llama
 
 WEIGHTS = "heads.safetensors"
@@ -41,8 +42,14 @@ def base_fingerprint(base: Llama) -> str:
     return h.hexdigest()[:24]
 
 
-def _flat_params(heads: Heads) -> dict[str, jax.Array]:
-    return {".".join(str(p) for p in path): var[...] for path, var in nnx.to_flat_state(nnx.state(heads, nnx.Param))}
+def _name(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def _stored_params(heads: Heads) -> dict[str, np.ndarray]:
+    """The heads' parameters as the file holds them: by dotted path, q/k/v apart (`layers.to_stored`)."""
+    return {_name(part): array for path, var in nnx.to_flat_state(nnx.state(heads, nnx.Param))
+            for part, array in to_stored(path, np.asarray(jax.device_get(var[...])))}
 
 
 def save_heads(heads: Heads, base: Llama, out_dir: str | Path, extra: dict | None = None,
@@ -51,8 +58,7 @@ def save_heads(heads: Heads, base: Llama, out_dir: str | Path, extra: dict | Non
     and the counts of the tokens they were trained to predict (for a draft vocabulary) when given."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: np.asarray(jax.device_get(v)) for k, v in _flat_params(heads).items()}
-    write_safetensors(tensors, out / WEIGHTS)
+    write_safetensors(_stored_params(heads), out / WEIGHTS)
     if token_counts is not None:
         write_safetensors({"counts": np.asarray(token_counts, np.int64)}, out / COUNTS)
     elif (out / COUNTS).exists():  # counts of the heads this export replaces
@@ -120,17 +126,19 @@ def load_heads(heads_dir: str | Path, base: Llama, method: str | None = None) ->
     except Exception as e:  # safetensors' own error types for missing or corrupt files
         raise CloverError(f"{heads_dir}: cannot read {WEIGHTS} ({e})") from None
     heads = make_heads(hcfg, base)
-    expected = _flat_params(heads)
+    flat = nnx.to_flat_state(nnx.state(heads, nnx.Param))
+    expected = {_name(part): shape for path, var in flat for part, shape in stored_parts(path, var[...].shape)}
     missing = sorted(set(expected) - set(stored))
     extra = sorted(set(stored) - set(expected))
     if missing or extra:
         name = (missing or extra)[0]
         raise CloverError(f"{heads_dir}: heads file {'lacks' if missing else 'has unexpected'} tensor {name}")
+    for name, shape in expected.items():
+        if stored[name].shape != shape:
+            raise CloverError(f"{heads_dir}: tensor {name} has shape {list(stored[name].shape)}, expected {list(shape)}")
     leaves = []
-    for path, var in nnx.to_flat_state(nnx.state(heads, nnx.Param)):
-        name = ".".join(str(p) for p in path)
-        if stored[name].shape != var[...].shape:
-            raise CloverError(f"{heads_dir}: tensor {name} has shape {list(stored[name].shape)}, expected {list(var[...].shape)}")
-        leaves.append((path, var.replace(jnp.asarray(stored[name], dtype=var[...].dtype))))
+    for path, var in flat:
+        value = from_stored([stored[_name(part)] for part, _ in stored_parts(path, var[...].shape)], var[...].shape)
+        leaves.append((path, var.replace(jnp.asarray(value, dtype=var[...].dtype))))
     nnx.update(heads, nnx.from_flat_state(leaves))
     return heads

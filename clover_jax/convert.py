@@ -1,7 +1,8 @@
 """Import from and export to Hugging Face checkpoints (config.json + *.safetensors).
 
 Our parameters carry HF's names, so the mapping is a renaming (`kernel` <-> `weight`, plus the
-`model.` prefix) and a transpose for linear kernels. Tensors are read one at a time from the
+`model.` prefix) and a transpose for linear kernels; HF's q, k and v projections are read into, and
+written out of, our one fused `qkv_proj` (`layers.QKVProjection`). Tensors are read one at a time from the
 memory-mapped safetensors files, and each lands straight on its device (or its shards, given a
 sharding), so a load never holds two full copies of the weights in host memory. Only safetensors are
 read: no pickle, and never `trust_remote_code`.
@@ -22,6 +23,7 @@ from safetensors.numpy import save_file
 
 from clover_jax.config import ModelConfig
 from clover_jax.errors import CloverError
+from clover_jax.layers import fuse_qkv, stored_parts, to_stored
 from clover_jax.model import Llama
 from clover_jax.sharding import param_sharding
 
@@ -102,24 +104,29 @@ def load_pretrained(model_dir: str | Path, dtype=jnp.float32, mesh: jax.sharding
     used = set()
     leaves = []
     for path, var in flat:
-        name, transpose = hf_name(path)
         shape = tuple(var.get_value().shape)
-        if name not in files.where:
-            raise CloverError(f"{model_dir}: checkpoint is missing tensor {name} (expected shape {list(shape[::-1] if transpose else shape)})")
-        stored = files.shape(name)
-        expected = shape[::-1] if transpose else shape
-        if stored != expected:
-            raise CloverError(f"{model_dir}: tensor {name} has shape {list(stored)}, expected {list(expected)} for this config.json")
-        used.add(name)
-        tensor = files.slice(name)
+        tensors = []
+        for part, part_shape in stored_parts(path, shape):  # the fused q/k/v projection reads HF's three
+            name, transpose = hf_name(part)
+            expected = part_shape[::-1] if transpose else part_shape
+            if name not in files.where:
+                raise CloverError(f"{model_dir}: checkpoint is missing tensor {name} (expected shape {list(expected)})")
+            stored = files.shape(name)
+            if stored != expected:
+                raise CloverError(f"{model_dir}: tensor {name} has shape {list(stored)}, expected {list(expected)} for this config.json")
+            used.add(name)
+            tensors.append(files.slice(name))
         if mesh is None:
             sharding = jax.sharding.SingleDeviceSharding(device)
         else:
             sharding = param_sharding(path, var, mesh)
 
-        def read(index, tensor=tensor, transpose=transpose):
+        def read(index, tensors=tensors, transpose=transpose, shape=shape):
             index = tuple(index) if index is not None else (slice(None),) * len(shape)
-            block = tensor[index[::-1]].T if transpose else tensor[index]
+            if len(tensors) == 3:
+                block = _read_qkv(tensors, index, shape, transpose)
+            else:
+                block = tensors[0][index[::-1]].T if transpose else tensors[0][index]
             return np.asarray(block).astype(dtype)
 
         leaves.append((path, var.replace(jax.make_array_from_callback(shape, sharding, read))))
@@ -130,6 +137,21 @@ def load_pretrained(model_dir: str | Path, dtype=jnp.float32, mesh: jax.sharding
                           "it does not match config.json")
     state = nnx.from_flat_state(leaves)
     return cfg, nnx.merge(graphdef, state)
+
+
+def _read_qkv(tensors: list, index: tuple, shape: tuple[int, ...], transpose: bool) -> np.ndarray:
+    """The block `index` of a fused q/k/v parameter (`layers.QKVProjection`: kernel [D, K, G+2, H] or
+    bias [K, G+2, H]) read from HF's q, k, v tensors: only the rows of the kv heads in the block."""
+    kv, g, h = shape[-3:]
+    k0, k1, _ = index[-3].indices(kv)
+    lead = index[:-3]  # the kernel's input-width slice
+
+    def rows(tensor, per_head):
+        block = tensor[(slice(k0 * per_head, k1 * per_head), *lead)]
+        return np.asarray(block).T if transpose else np.asarray(block)
+
+    fused = fuse_qkv(rows(tensors[0], (g - 2) * h), rows(tensors[1], h), rows(tensors[2], h), k1 - k0)
+    return fused[(..., index[-2], index[-1])]
 
 
 def _atomic_replace(tmp: Path, final: Path) -> None:
@@ -159,9 +181,9 @@ def save_pretrained(model: Llama, out_dir: str | Path, dtype=jnp.bfloat16,
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, np.ndarray] = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        name, transpose = hf_name(path)
-        array = np.asarray(jax.device_get(var[...].astype(dtype)))
-        tensors[name] = np.ascontiguousarray(array.T if transpose else array)
+        for part, array in to_stored(path, np.asarray(jax.device_get(var[...].astype(dtype)))):
+            name, transpose = hf_name(part)
+            tensors[name] = np.ascontiguousarray(array.T if transpose else array)
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name in sorted(tensors):

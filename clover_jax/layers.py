@@ -1,7 +1,8 @@
 """Building blocks of a Llama decoder layer, named and laid out as Hugging Face names them.
 
-Parameter names follow `transformers` (`q_proj`, `gate_proj`, `input_layernorm`, ...) and RoPE uses
-HF's rotate-half layout, so importing a checkpoint is a renaming plus transposes. Every parameter
+Parameter names follow `transformers` (`o_proj`, `gate_proj`, `input_layernorm`, ...) and RoPE uses
+HF's rotate-half layout, so importing a checkpoint is a renaming plus transposes; the one exception is
+`qkv_proj`, HF's q/k/v projections held as one parameter (`QKVProjection`). Every parameter
 carries logical axis names (`out_sharding` metadata) that `sharding.py` maps to a device mesh.
 Letters: B batch, T new tokens, S cache slots, N query heads, K kv heads, G = N/K, H head dim, D model.
 """
@@ -33,6 +34,73 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         y = x @ self.kernel[...].astype(x.dtype)
         return y + self.bias[...].astype(x.dtype) if self.bias is not None else y
+
+
+class QKVProjection(nnx.Module):
+    """q, k and v in one product: kernel [D, K, G + 2, H], each kv head's G query heads, then its key,
+    then its value (bias [K, G + 2, H]).
+
+    One parameter, because XLA:GPU turns a vector-matrix product whose operands total under 10M
+    elements (a one-token step's k and v projections of Llama-3-8B) into a multiply-and-reduce at a
+    third of the bandwidth, and kernels concatenated at call time are copied on every step rather than
+    hoisted out of the loop. Laid out per kv head so that a mesh still splits it over kv heads. On disk
+    it stays HF's three tensors (`stored_parts`, `to_stored`, `from_stored`)."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, std: float = 0.02):
+        d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        shape = (k, n // k + 2, h)
+        self.kernel = param(std * jax.random.normal(rngs.params(), (d, *shape), dtype),
+                            ("embed", "kv_heads", "qkv", "head_dim"))
+        self.bias = param(jnp.zeros(shape, dtype), ("kv_heads", "qkv", "head_dim")) if cfg.qkv_bias else None
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [B, T, D] -> q [B, T, N, H], k and v [B, T, K, H]."""
+        y = jnp.einsum("btd,dkgh->btkgh", x, self.kernel[...].astype(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(x.dtype)
+        b, t, k, g, h = y.shape
+        return y[:, :, :, : g - 2].reshape(b, t, k * (g - 2), h), y[:, :, :, g - 2], y[:, :, :, g - 1]
+
+
+QKV_PARTS = ("q_proj", "k_proj", "v_proj")  # HF's names for the three parts of `QKVProjection`
+
+
+def fuse_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, kv_heads: int) -> np.ndarray:
+    """HF's q, k, v ([..., N*H], [..., K*H], [..., K*H]; kernels as [in, out]) -> [..., K, G+2, H].
+    Query head n reads kv head n // G, as in HF's `repeat_kv`, so a kv head's queries are contiguous."""
+    *lead, kh = k.shape
+    h = kh // kv_heads
+    q = q.reshape(*lead, kv_heads, q.shape[-1] // kh, h)
+    return np.concatenate([q, k.reshape(*lead, kv_heads, 1, h), v.reshape(*lead, kv_heads, 1, h)], axis=-2)
+
+
+def _fused(path: tuple) -> bool:
+    return len(path) >= 2 and path[-2] == "qkv_proj"
+
+
+def stored_parts(path: tuple, shape: tuple[int, ...]) -> list[tuple[tuple, tuple[int, ...]]]:
+    """(path, shape) of each tensor a parameter is stored as on disk (our [in, out] layout): the fused
+    q/k/v projection as HF's three, any other parameter as itself."""
+    if not _fused(path):
+        return [(path, tuple(shape))]
+    *lead, k, g, h = shape
+    return [(path[:-2] + (name, path[-1]), (*lead, width))
+            for name, width in zip(QKV_PARTS, (k * (g - 2) * h, k * h, k * h))]
+
+
+def to_stored(path: tuple, value: np.ndarray) -> list[tuple[tuple, np.ndarray]]:
+    """A parameter's value as the tensors `stored_parts` names."""
+    if not _fused(path):
+        return [(path, value)]
+    *lead, k, g, h = value.shape
+    parts = (value[..., : g - 2, :].reshape(*lead, k * (g - 2) * h), value[..., g - 2, :].reshape(*lead, k * h),
+             value[..., g - 1, :].reshape(*lead, k * h))
+    return [(p, part) for (p, _), part in zip(stored_parts(path, value.shape), parts)]
+
+
+def from_stored(parts: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
+    """The inverse of `to_stored`: a parameter of `shape` from its stored tensors."""
+    return fuse_qkv(*parts, shape[-3]) if len(parts) == 3 else parts[0]
 
 
 class RMSNorm(nnx.Module):
@@ -123,9 +191,7 @@ class Attention(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = Linear(d, n * h, ("embed", "heads"), bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(d, k * h, ("embed", "kv_heads"), bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(d, k * h, ("embed", "kv_heads"), bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.qkv_proj = QKVProjection(cfg, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(n * h, d, ("heads", "embed"), dtype=dtype, rngs=rngs)
         self.shape = (n, k, h)
         self.cfg = cfg  # static: RoPE frequencies are derived from it at trace time
@@ -137,9 +203,8 @@ class Attention(nnx.Module):
         b, t, _ = x.shape
         n, k, h = self.shape
         inv_freq = rope_inv_freq(self.cfg)
-        q = apply_rope(self.q_proj(x).reshape(b, t, n, h), positions, inv_freq)
-        kk = apply_rope(self.k_proj(x).reshape(b, t, k, h), positions, inv_freq)
-        vv = self.v_proj(x).reshape(b, t, k, h)
+        q, kk, vv = self.qkv_proj(x)
+        q, kk = apply_rope(q, positions, inv_freq), apply_rope(kk, positions, inv_freq)
         kk, vv = jnp.swapaxes(kk, 1, 2), jnp.swapaxes(vv, 1, 2)  # [B, K, T, H], the cache's layout
         out = attend(q, kk, vv, mask, cache, layer)
         if cache is not None:  # written after the attention has read the cache

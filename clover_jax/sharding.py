@@ -34,6 +34,7 @@ RULES: dict[str, tuple[str, ...] | None] = {
     "mlp": ("model",),
     "length": None,
     "head_dim": None,
+    "qkv": None,  # a kv head's query heads, key and value (`layers.QKVProjection`): kept together
     "layers": None,
 }
 

@@ -13,13 +13,16 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from clover_jax.config import ModelConfig
-from clover_jax.convert import load_pretrained, save_pretrained
+from clover_jax.convert import _read_qkv, load_pretrained, save_pretrained
 from clover_jax.errors import CloverError
+from clover_jax.layers import fuse_qkv, to_stored
 from conftest import FAMILY_NAMES, assert_one_line, hf_logits, random_tokens
 
 
 def params(model) -> dict:
-    return {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    """Every Param by path, as stored on disk: the fused q/k/v projection as HF's three tensors."""
+    return {part: array for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+            for part, array in to_stored(k, np.asarray(v[...]))}
 
 
 def assert_same_params(a, b) -> None:
@@ -49,6 +52,24 @@ def test_import_is_exact(loaded, family):
                                       sd["model.layers.0.self_attn.q_proj.bias"])
     n_hf = sum(v.size for k, v in sd.items() if not (cfg.tie_word_embeddings and k == "lm_head.weight"))
     assert sum(v.size for v in ours.values()) == n_hf == cfg.num_params
+
+
+@pytest.mark.parametrize("index", [(slice(None),) * 4, (slice(None), slice(1, 2), slice(None), slice(None)),
+                                   (slice(4, 8), slice(2, 4), slice(None), slice(None))])
+def test_fused_qkv_block_reads_only_its_kv_heads(index):
+    """A device's block of the fused q/k/v kernel (and bias) read from HF's three tensors equals that
+    block of the whole fused parameter: a mesh splits it by kv head and by input width."""
+    rng = np.random.default_rng(0)
+    d, kv, g, h = 8, 4, 3, 2
+    q, k, v = (rng.standard_normal((width, d)) for width in (kv * g * h, kv * h, kv * h))  # HF: [out, in]
+    whole = fuse_qkv(q.T, k.T, v.T, kv)
+    assert whole.shape == (d, kv, g + 2, h)
+    np.testing.assert_array_equal(whole[:, 1, :g].reshape(d, g * h), q.T[:, g * h: 2 * g * h])  # kv head 1's queries
+    np.testing.assert_array_equal(whole[:, 1, g + 1], v.T[:, h: 2 * h])
+    np.testing.assert_array_equal(_read_qkv([q, k, v], index, whole.shape, transpose=True), whole[index])
+    bias = fuse_qkv(q[:, 0], k[:, 0], v[:, 0], kv)
+    np.testing.assert_array_equal(_read_qkv([q[:, 0], k[:, 0], v[:, 0]], index[1:], bias.shape, transpose=False),
+                                  bias[index[1:]])
 
 
 def test_load_sharded_hf_checkpoint(loaded, tmp_path):

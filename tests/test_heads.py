@@ -17,6 +17,7 @@ from clover_jax.cache import causal_mask
 from clover_jax.config import ModelConfig
 from clover_jax.errors import CloverError
 from clover_jax.heads import DEFAULT_NUM_HEADS, HeadsConfig, make_heads, token_embeddings
+from clover_jax.layers import to_stored
 from clover_jax.model import Llama, causal_self_mask
 
 B, T = 2, 4
@@ -40,9 +41,11 @@ def randomise(module, seed: int, scale: float = 0.3) -> None:
 
 
 def params(module) -> dict[str, np.ndarray]:
-    """Every Param of `module` as float64, keyed by its dotted path ('self_attn.q_proj.kernel')."""
+    """Every Param of `module` as float64, keyed by its dotted path ('self_attn.q_proj.kernel'), the
+    fused q/k/v projection as HF's three tensors."""
     flat = nnx.to_flat_state(nnx.state(module, nnx.Param))
-    return {".".join(map(str, path)): np.asarray(var[...], np.float64) for path, var in flat}
+    return {".".join(map(str, part)): np.asarray(array, np.float64) for path, var in flat
+            for part, array in to_stored(path, np.asarray(var[...]))}
 
 
 # Compiled whole: eager initialisation compiles every random draw's shape on its own (seconds). NNX

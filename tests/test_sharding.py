@@ -68,7 +68,7 @@ def test_a_mesh_that_does_not_divide_the_model_is_one_clear_line():
         shape = {"data": 1, "fsdp": 1, "model": 2}
 
     with pytest.raises(CloverError, match=r"kv_heads axis \(3\) does not divide over mesh axes model=2") as e:
-        spec_for(("embed", "kv_heads"), (32, 3), Fake(), "layers.0.self_attn.k_proj.kernel")
+        spec_for(("embed", "kv_heads"), (32, 3), Fake(), "layers.0.self_attn.qkv_proj.kernel")
     assert_one_line(e)
     assert spec_for(("embed", "kv_heads"), (32, 4), Fake()) == PartitionSpec(None, "model")
 

@@ -27,11 +27,12 @@ from safetensors.numpy import load_file
 
 from clover_jax.checkpoint import load_heads
 from clover_jax.convert import load_pretrained
+from clover_jax.errors import CloverError
 from clover_jax.heads import METHODS, HeadsConfig, make_heads
 from clover_jax.model import causal_self_mask
 from conftest import save_tiny_llama, tiny_tokenizer
 from infer import generate
-from train import losses
+from train import losses, runs
 from train import make_data
 from train import tokenizer as tokenizer_lib
 from train import train
@@ -388,6 +389,17 @@ def test_bad_input_is_one_error_line_and_exit_2(case, model_dir, other_base, dat
     assert err.startswith("error: ") and err.count("\n") == 1, err
     assert needle in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_of_other_parameters_is_refused_in_one_line(tmp_path):
+    """A work directory checkpointed by another version (here q, k and v apart, where the run has them
+    fused) is refused on resume with one line, not a page of orbax's tree diff."""
+    manager = ocp.CheckpointManager(tmp_path / "checkpoints")
+    manager.save(3, args=ocp.args.StandardSave({"params": {"q_proj": jnp.zeros(4), "k_proj": jnp.zeros(2)}}))
+    manager.wait_until_finished()
+    with pytest.raises(CloverError, match=r"step 3 does not fit this run's parameters .* new work directory") as e:
+        runs.restore_latest(manager, {"params": {"qkv_proj": jnp.zeros(6)}})
+    assert "\n" not in str(e.value)
 
 
 def test_exported_heads_drive_generation(trained, model_dir, capsys):

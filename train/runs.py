@@ -37,7 +37,12 @@ def restore_latest(manager: ocp.CheckpointManager, state: dict) -> tuple[int, di
     step = manager.latest_step()
     if step is None:
         return 0, state
-    return step, manager.restore(step, args=ocp.args.StandardRestore(state))
+    try:
+        return step, manager.restore(step, args=ocp.args.StandardRestore(state))
+    except ValueError as e:  # orbax: the saved tree's names or shapes differ from `state`'s
+        raise CloverError(f"{manager.directory}: the checkpoint of step {step} does not fit this run's parameters "
+                          f"({str(e).splitlines()[0]}); it was written by another version of clover-jax, "
+                          "so start again in a new work directory") from None
 
 
 class MetricsLog:
