@@ -142,7 +142,7 @@ def load_pretrained(model_dir: str | Path, dtype=jnp.float32, mesh: jax.sharding
 def _read_qkv(tensors: list, index: tuple, shape: tuple[int, ...], transpose: bool) -> np.ndarray:
     """The block `index` of a fused q/k/v parameter (`layers.QKVProjection`: kernel [D, K, G+2, H] or
     bias [K, G+2, H]) read from HF's q, k, v tensors: only the rows of the kv heads in the block."""
-    kv, g, h = shape[-3:]
+    kv, g2, h = shape[-3:]  # g2 = G + 2
     k0, k1, _ = index[-3].indices(kv)
     lead = index[:-3]  # the kernel's input-width slice
 
@@ -150,7 +150,7 @@ def _read_qkv(tensors: list, index: tuple, shape: tuple[int, ...], transpose: bo
         block = tensor[(slice(k0 * per_head, k1 * per_head), *lead)]
         return np.asarray(block).T if transpose else np.asarray(block)
 
-    fused = fuse_qkv(rows(tensors[0], (g - 2) * h), rows(tensors[1], h), rows(tensors[2], h), k1 - k0)
+    fused = fuse_qkv(rows(tensors[0], (g2 - 2) * h), rows(tensors[1], h), rows(tensors[2], h), k1 - k0)
     return fused[(..., index[-2], index[-1])]
 
 

@@ -58,8 +58,8 @@ class QKVProjection(nnx.Module):
         y = jnp.einsum("btd,dkgh->btkgh", x, self.kernel[...].astype(x.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(x.dtype)
-        b, t, k, g, h = y.shape
-        return y[:, :, :, : g - 2].reshape(b, t, k * (g - 2), h), y[:, :, :, g - 2], y[:, :, :, g - 1]
+        b, t, k, g2, h = y.shape  # g2 = G + 2
+        return y[:, :, :, : g2 - 2].reshape(b, t, k * (g2 - 2), h), y[:, :, :, g2 - 2], y[:, :, :, g2 - 1]
 
 
 QKV_PARTS = ("q_proj", "k_proj", "v_proj")  # HF's names for the three parts of `QKVProjection`
@@ -83,18 +83,18 @@ def stored_parts(path: tuple, shape: tuple[int, ...]) -> list[tuple[tuple, tuple
     q/k/v projection as HF's three, any other parameter as itself."""
     if not _fused(path):
         return [(path, tuple(shape))]
-    *lead, k, g, h = shape
+    *lead, k, g2, h = shape  # g2 = G + 2
     return [(path[:-2] + (name, path[-1]), (*lead, width))
-            for name, width in zip(QKV_PARTS, (k * (g - 2) * h, k * h, k * h))]
+            for name, width in zip(QKV_PARTS, (k * (g2 - 2) * h, k * h, k * h))]
 
 
 def to_stored(path: tuple, value: np.ndarray) -> list[tuple[tuple, np.ndarray]]:
     """A parameter's value as the tensors `stored_parts` names."""
     if not _fused(path):
         return [(path, value)]
-    *lead, k, g, h = value.shape
-    parts = (value[..., : g - 2, :].reshape(*lead, k * (g - 2) * h), value[..., g - 2, :].reshape(*lead, k * h),
-             value[..., g - 1, :].reshape(*lead, k * h))
+    *lead, k, g2, h = value.shape  # g2 = G + 2
+    parts = (value[..., : g2 - 2, :].reshape(*lead, k * (g2 - 2) * h), value[..., g2 - 2, :].reshape(*lead, k * h),
+             value[..., g2 - 1, :].reshape(*lead, k * h))
     return [(p, part) for (p, _), part in zip(stored_parts(path, value.shape), parts)]
 
 
