@@ -65,7 +65,8 @@ included; plain = 1.00); accept@d = share of steps that accepted at least d draf
 tokens/s over plain decoding's at the same batch size in this run; compiles = programs compiled over
 the prompt set (the bucket count is the most it should be). The bandwidth line divides the bytes a
 plain decoding step reads (weights + KV) by its time, the decoding loop timed apart from the prefill,
-and compares that with a streaming read measured by the benchmark. With --hf, rows
+and compares that with streaming reads the benchmark takes between the prompts of the same passes
+(the median over passes of each pass's ratio). With --hf, rows
 `hf-generate` (transformers greedy `generate`) and `hf-prompt-lookup` (its assisted generation without
 a draft model, batch 1) run the same model and prompts in PyTorch on the CPU.
 """
@@ -180,21 +181,27 @@ def label(method: str, tree: str | None, temperature: float = 0.0, draft_vocab: 
 
 # ------------------------------------------------------------------------------------------ measuring
 
-def measure_bandwidth(megabytes: int | None = None, repeats: int = 7) -> float:
-    """The device's streaming-read bandwidth in bytes/s: a jitted sum over an array far larger than any
-    cache (median of `repeats`). 256 MB on a CPU; 4 GB on an accelerator, whose TB/s would otherwise read
-    256 MB in less time than a dispatch takes."""
-    if megabytes is None:
-        megabytes = 256 if jax.devices()[0].platform == "cpu" else 4096
-    x = jnp.ones((megabytes << 18,), jnp.float32)
-    total = jax.jit(jnp.sum)
-    jax.block_until_ready(total(x))
-    times = []
-    for _ in range(repeats):
+class BandwidthProbe:
+    """The device's streaming-read bandwidth: a jitted sum over an array far larger than any cache. 256 MB
+    on a CPU; 4 GB on an accelerator, whose TB/s would otherwise read 256 MB in less time than a dispatch
+    takes. One probe is kept so plain decoding's passes can be paired with reads taken between them."""
+
+    def __init__(self, megabytes: int | None = None):
+        if megabytes is None:
+            megabytes = 256 if jax.devices()[0].platform == "cpu" else 4096
+        self.x = jnp.ones((megabytes << 18,), jnp.float32)
+        self.total = jax.jit(jnp.sum)
+        jax.block_until_ready(self.total(self.x))
+
+    def read(self) -> float:
+        """One timed read, in bytes/s."""
         t0 = time.perf_counter()
-        jax.block_until_ready(total(x))
-        times.append(time.perf_counter() - t0)
-    return x.nbytes / statistics.median(times)
+        jax.block_until_ready(self.total(self.x))
+        return self.x.nbytes / (time.perf_counter() - t0)
+
+    def median(self, repeats: int = 7) -> float:
+        """The median of `repeats` reads, in bytes/s."""
+        return statistics.median(self.read() for _ in range(repeats))
 
 
 def _padded_batches(prompts: list[list[int]], size: int):
@@ -288,10 +295,13 @@ def profile_ops(generator: Generator, group: list[list[int]], max_new: int, samp
     return [dict(op=name, calls_per_step=calls / steps, us_per_step=us / steps) for name, (calls, us) in ranked]
 
 
-def plain_phases(generator: Generator, prompts: list[list[int]], max_new: int, repeats: int) -> dict:
+def plain_phases(generator: Generator, prompts: list[list[int]], max_new: int, repeats: int,
+                 probe: BandwidthProbe) -> dict:
     """Batch-1 plain generation of each prompt run as two jitted programs, the prefill (`start_plain`)
-    and the decoding loop (`continue_plain`), each timed on its own: seconds of each over the prompts
-    (medians of `repeats` passes after a warm-up) and the decoding steps taken."""
+    and the decoding loop (`continue_plain`), each timed on its own, with one streaming read (`probe`)
+    before each prefill: per timed pass (after a warm-up pass), the seconds of each phase over the
+    prompts and the median bandwidth read in between, and the decoding steps taken. A shared host's load
+    drifts over a run; the reads taken during a pass measure the bandwidth that pass had."""
     static_names = ("sampling", "eos_ids", "max_new", "cache_len")
     start = jax.jit(lambda g, params, *a, **s: start_plain(nnx.merge(g, params), *a, **s),
                     static_argnums=0, static_argnames=(*static_names, "mesh"))
@@ -300,8 +310,10 @@ def plain_phases(generator: Generator, prompts: list[list[int]], max_new: int, r
     passes = []
     for _ in range(repeats + 1):
         prefill_s = decode_s = steps = 0
+        reads = []
         for p in prompts:
             args, static = generator.prepare([p], max_new, eos_ids=())
+            reads.append(probe.read())
             t0 = time.perf_counter()
             state = jax.block_until_ready(start(generator.graphdef, *args, **static))
             t1 = time.perf_counter()
@@ -310,27 +322,33 @@ def plain_phases(generator: Generator, prompts: list[list[int]], max_new: int, r
             decode_s += time.perf_counter() - t1
             prefill_s += t1 - t0
             steps += int(to_host(state.step))
-        passes.append((prefill_s, decode_s))
-    prefill_s, decode_s = (statistics.median(x) for x in zip(*passes[1:]))
-    return dict(prefill_s=prefill_s, decode_s=decode_s, decode_steps=steps)
+        passes.append(dict(prefill_s=prefill_s, decode_s=decode_s, bandwidth=statistics.median(reads)))
+    return dict(passes=passes[1:], decode_steps=steps)
 
 
-def plain_efficiency(model: Llama, prompts: list[list[int]], max_new: int, phases: dict, bandwidth: float) -> dict:
+def plain_efficiency(model: Llama, prompts: list[list[int]], max_new: int, phases: dict) -> dict:
     """Batch-1 plain decoding against the bandwidth limit: each decoding step reads every weight once
     and the K/V of the tokens so far (the mean over the run's steps). The step time is the decoding
-    loop's alone (`plain_phases`); a prefill reads the weights once for a whole prompt."""
+    loop's alone (`plain_phases`); a prefill reads the weights once for a whole prompt. The fraction is
+    the median over the timed passes of each pass's achieved bytes/s over the bandwidth read during it."""
     cfg = model.cfg
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     per_token_kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(model.dtype).itemsize
     mean_context = float(np.mean([len(p) + (max_new - 1) / 2 for p in prompts]))
     step_bytes = weight_bytes + per_token_kv * mean_context
-    decode_s = phases["decode_s"] / max(phases["decode_steps"], 1)
-    achieved = step_bytes / decode_s
+    steps = max(phases["decode_steps"], 1)
+    passes = phases["passes"]
+    decode_s = statistics.median(p["decode_s"] for p in passes) / steps
+    bandwidth = statistics.median(p["bandwidth"] for p in passes)
+    fraction = statistics.median(step_bytes * steps / p["decode_s"] / p["bandwidth"] for p in passes)
     return dict(weight_bytes=int(weight_bytes), kv_bytes_per_step=float(per_token_kv * mean_context),
                 bytes_per_step=float(step_bytes), decode_steps=phases["decode_steps"], decode_step_ms=1e3 * decode_s,
-                prefill_ms_per_prompt=1e3 * phases["prefill_s"] / len(prompts), achieved_bytes_per_s=achieved,
-                bandwidth_bytes_per_s=bandwidth, fraction_of_bandwidth=achieved / bandwidth,
-                limit_step_ms=1e3 * step_bytes / bandwidth)
+                prefill_ms_per_prompt=1e3 * statistics.median(p["prefill_s"] for p in passes) / len(prompts),
+                achieved_bytes_per_s=step_bytes / decode_s, bandwidth_bytes_per_s=bandwidth,
+                fraction_of_bandwidth=fraction, limit_step_ms=1e3 * step_bytes / bandwidth,
+                passes=[dict(decode_step_ms=1e3 * p["decode_s"] / steps, bandwidth_bytes_per_s=p["bandwidth"],
+                             fraction_of_bandwidth=step_bytes * steps / p["decode_s"] / p["bandwidth"])
+                        for p in passes])
 
 
 def run_hf(path: Path, prompts: list[list[int]], batch_size: int, max_new: int, repeats: int, dtype: str,
@@ -565,7 +583,8 @@ def _benchmark(args: argparse.Namespace) -> int:
     _, model = load_pretrained(path, dtype=DTYPES[args.dtype], mesh=mesh)
     heads_root = Path(args.heads_root) if args.heads_root else path / "heads"
 
-    bandwidth = measure_bandwidth()
+    probe = BandwidthProbe()
+    bandwidth = probe.median()
     per_size = {b: -(-len(prompts) // b) * (args.repeats + 1) for b in sizes}  # batches per method and size
     hf_passes = sum(n * (2 if b == 1 else 1) for b, n in per_size.items()) if args.hf else 0
     temps = _numbers(args.temperatures, "--temperatures", float, "numbers", "0,1", 0)
@@ -605,8 +624,8 @@ def _benchmark(args: argparse.Namespace) -> int:
                             plain_tokens = tokens
                             if b == 1:
                                 progress.set_postfix_str("plain decoding against the bandwidth limit")
-                                phases = plain_phases(gen, prompts, args.max_new_tokens, args.repeats)
-                                efficiency = plain_efficiency(model, prompts, args.max_new_tokens, phases, bandwidth)
+                                phases = plain_phases(gen, prompts, args.max_new_tokens, args.repeats, probe)
+                                efficiency = plain_efficiency(model, prompts, args.max_new_tokens, phases)
                     elif temp == 0:
                         row.matches_plain = tokens == plain_tokens
                     row.speedup = row.tokens_per_s / plain_tps
@@ -638,9 +657,10 @@ def _benchmark(args: argparse.Namespace) -> int:
               f"(weights {efficiency['weight_bytes'] / 1e6:.1f} MB + KV {efficiency['kv_bytes_per_step'] / 1e6:.2f} MB) "
               f"in {efficiency['decode_step_ms']:.2f} ms (prefill excluded: "
               f"{efficiency['prefill_ms_per_prompt']:.1f} ms per prompt) = "
-              f"{efficiency['achieved_bytes_per_s'] / 1e9:.1f} GB/s; measured streaming "
-              f"bandwidth {bandwidth / 1e9:.1f} GB/s -> {100 * efficiency['fraction_of_bandwidth']:.0f}% of the limit "
-              f"({efficiency['limit_step_ms']:.2f} ms/step)")
+              f"{efficiency['achieved_bytes_per_s'] / 1e9:.1f} GB/s; streaming reads between the prompts "
+              f"{efficiency['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s -> {100 * efficiency['fraction_of_bandwidth']:.0f}% "
+              f"of the limit ({efficiency['limit_step_ms']:.2f} ms/step; median of the passes: "
+              + ", ".join(f"{100 * p['fraction_of_bandwidth']:.0f}%" for p in efficiency["passes"]) + ")")
     for b in sizes:
         hf = {r.method: r for r in rows if r.batch_size == b and r.method.startswith("hf-")}
         if "hf-generate" in hf:

@@ -41,7 +41,9 @@ def test_benchmark_runs_and_reports(tmp_path, capsys):
     assert len(rows[("clover2", "default", 1)]["accept_per_depth"]) == 5
     eff = result["plain_efficiency"]
     assert eff["bandwidth_bytes_per_s"] > 0 and 0 < eff["fraction_of_bandwidth"] and eff["weight_bytes"] > 8e6
-    assert result["machine"]["bandwidth_bytes_per_s"] == eff["bandwidth_bytes_per_s"]
+    # One ratio per timed pass (repeats=1 here), against the streaming reads taken during that pass.
+    assert len(eff["passes"]) == 1 and eff["passes"][0]["fraction_of_bandwidth"] == eff["fraction_of_bandwidth"]
+    assert eff["limit_step_ms"] == pytest.approx(1e3 * eff["bytes_per_step"] / eff["bandwidth_bytes_per_s"])
     # The decoding loop, timed apart from the prefill, takes one step per token after the first.
     assert eff["decode_steps"] == 3 * 5 and eff["decode_step_ms"] > 0 and eff["prefill_ms_per_prompt"] > 0
     shape = result["shape"]
