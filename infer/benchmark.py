@@ -500,6 +500,22 @@ def _label_bars(ax, names: list[str], offset: float = 0.0) -> None:
     ax.axhline(1.0, color="grey", lw=0.8)
 
 
+METHOD_COLORS = {"medusa": "tab:blue", "clover": "tab:green", "clover2": "tab:red"}
+
+
+def acceptance_curves(rows: list[Row]) -> list[tuple[str, Row]]:
+    """(legend name, row) per acceptance curve to draw: rows that differ only in their draft vocabulary
+    and accept alike (as they mostly do) share one curve, named without the vocabulary."""
+    groups: dict[tuple, list[Row]] = {}
+    for r in rows:
+        groups.setdefault((r.method, r.tree, r.temperature), []).append(r)
+    curves = []
+    for (method, tree, temperature), group in groups.items():
+        alike = len({tuple(np.round(r.accept_per_depth, 2)) for r in group}) == 1
+        curves += [(label(method, tree or None, temperature), group[0])] if alike else [(r.name, r) for r in group]
+    return curves
+
+
 def plot(rows: list[Row], out: str, shape: dict | None = None) -> None:
     """Speedup and tau per row, acceptance per depth; with `--shape`, also its projected speedups."""
     import matplotlib
@@ -532,10 +548,14 @@ def plot(rows: list[Row], out: str, shape: dict | None = None) -> None:
             ax.annotate(f"{methods[m]['step_ms']:.1f}", (i, heights[i]), ha="center", va="bottom", fontsize=7)
         _label_bars(ax, shaped)
         ax.set_title(f"--shape {shape['shape']}: projected speedup\n(tau x plain step / step; step ms on bars)", fontsize=10)
-    curves = [r for r in rows if r.accept_per_depth and r.batch_size == sizes[0]]
-    for r in curves:  # sampled rows dashed
-        axes[-1].plot(range(1, len(r.accept_per_depth) + 1), r.accept_per_depth, marker="o",
-                      ls="--" if r.temperature else "-", label=r.name)
+    curves = acceptance_curves([r for r in rows if r.accept_per_depth and r.batch_size == sizes[0]])
+    trees: dict[str, list[str]] = {}
+    for name, r in curves:  # a colour per method, a marker per tree (hollow: not the default draft
+        shapes = trees.setdefault(r.method, [])  # vocabulary, where it accepts otherwise), sampled rows dashed
+        shapes += [r.tree] if r.tree not in shapes else []
+        axes[-1].plot(range(1, len(r.accept_per_depth) + 1), r.accept_per_depth, color=METHOD_COLORS.get(r.method),
+                      marker="osD^vP*X"[shapes.index(r.tree) % 8], ls="--" if r.temperature else "-", label=name,
+                      mfc="none" if name.endswith(f"dv={r.draft_vocab}") else None)
     axes[-1].set_title(f"steps accepting >= d drafted tokens (batch {sizes[0]})")
     axes[-1].set_xlabel("depth d")
     axes[-1].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))

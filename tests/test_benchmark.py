@@ -99,3 +99,15 @@ def test_benchmark_sampling_and_draft_vocabulary_rows(tmp_path):
     shape = result["shape"]["methods"]
     assert {m: s["draft_vocab_size"] for m, s in shape.items()} == {
         "plain": 0, "medusa chain:1 dv=0": 0, "medusa chain:1": 0, "medusa chain:1 dv=160": 160}
+
+
+def test_acceptance_curves_merge_draft_vocabularies_that_accept_alike():
+    """The plot draws one curve for rows that differ only in their draft vocabulary when they accept
+    alike, and keeps both, named apart, when they do not."""
+    row = lambda method, tree, dv, accept, t=0.0: benchmark.Row(method=method, batch_size=1, tree=tree, draft_vocab=dv,
+                                                                accept_per_depth=accept, temperature=t)
+    rows = [row("medusa", "chain:2", "0", [0.8, 0.6]), row("medusa", "chain:2", "auto", [0.8, 0.6]),
+            row("clover2", "default", "0", [0.9, 0.7]), row("clover2", "default", "auto", [0.9, 0.8]),
+            row("clover2", "default", "auto", [0.5, 0.3], t=1.0)]
+    names = [name for name, _ in benchmark.acceptance_curves(rows)]
+    assert names == ["medusa chain:2", "clover2 default dv=0", "clover2 default", "clover2 default T=1"]
