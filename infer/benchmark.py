@@ -184,7 +184,8 @@ def label(method: str, tree: str | None, temperature: float = 0.0, draft_vocab: 
 class BandwidthProbe:
     """The device's streaming-read bandwidth: a jitted sum over an array far larger than any cache. 256 MB
     on a CPU; 4 GB on an accelerator, whose TB/s would otherwise read 256 MB in less time than a dispatch
-    takes. One probe is kept so plain decoding's passes can be paired with reads taken between them."""
+    takes. The array lives as long as the probe: keep one only while reading (an accelerator's memory
+    is needed for the models)."""
 
     def __init__(self, megabytes: int | None = None):
         if megabytes is None:
@@ -295,18 +296,18 @@ def profile_ops(generator: Generator, group: list[list[int]], max_new: int, samp
     return [dict(op=name, calls_per_step=calls / steps, us_per_step=us / steps) for name, (calls, us) in ranked]
 
 
-def plain_phases(generator: Generator, prompts: list[list[int]], max_new: int, repeats: int,
-                 probe: BandwidthProbe) -> dict:
+def plain_phases(generator: Generator, prompts: list[list[int]], max_new: int, repeats: int) -> dict:
     """Batch-1 plain generation of each prompt run as two jitted programs, the prefill (`start_plain`)
-    and the decoding loop (`continue_plain`), each timed on its own, with one streaming read (`probe`)
-    before each prefill: per timed pass (after a warm-up pass), the seconds of each phase over the
-    prompts and the median bandwidth read in between, and the decoding steps taken. A shared host's load
-    drifts over a run; the reads taken during a pass measure the bandwidth that pass had."""
+    and the decoding loop (`continue_plain`), each timed on its own, with one streaming read
+    (`BandwidthProbe`) before each prefill: per timed pass (after a warm-up pass), the seconds of each
+    phase over the prompts and the median bandwidth read in between, and the decoding steps taken. A
+    shared host's load drifts over a run; the reads taken during a pass measure the bandwidth it had."""
     static_names = ("sampling", "eos_ids", "max_new", "cache_len")
     start = jax.jit(lambda g, params, *a, **s: start_plain(nnx.merge(g, params), *a, **s),
                     static_argnums=0, static_argnames=(*static_names, "mesh"))
     loop = jax.jit(lambda g, params, state, budgets, **s: continue_plain(nnx.merge(g, params), state, budgets, **s),
                    static_argnums=0, static_argnames=static_names, donate_argnums=2)
+    probe = BandwidthProbe()
     passes = []
     for _ in range(repeats + 1):
         prefill_s = decode_s = steps = 0
@@ -603,8 +604,7 @@ def _benchmark(args: argparse.Namespace) -> int:
     _, model = load_pretrained(path, dtype=DTYPES[args.dtype], mesh=mesh)
     heads_root = Path(args.heads_root) if args.heads_root else path / "heads"
 
-    probe = BandwidthProbe()
-    bandwidth = probe.median()
+    bandwidth = BandwidthProbe().median()
     per_size = {b: -(-len(prompts) // b) * (args.repeats + 1) for b in sizes}  # batches per method and size
     hf_passes = sum(n * (2 if b == 1 else 1) for b, n in per_size.items()) if args.hf else 0
     temps = _numbers(args.temperatures, "--temperatures", float, "numbers", "0,1", 0)
@@ -644,7 +644,7 @@ def _benchmark(args: argparse.Namespace) -> int:
                             plain_tokens = tokens
                             if b == 1:
                                 progress.set_postfix_str("plain decoding against the bandwidth limit")
-                                phases = plain_phases(gen, prompts, args.max_new_tokens, args.repeats, probe)
+                                phases = plain_phases(gen, prompts, args.max_new_tokens, args.repeats)
                                 efficiency = plain_efficiency(model, prompts, args.max_new_tokens, phases)
                     elif temp == 0:
                         row.matches_plain = tokens == plain_tokens
