@@ -212,6 +212,10 @@ class Generator:
         args = (self.params, *map(place, (padded, lens, budget, keys)))
         return args, static
 
+    def compiled_hlo(self) -> str:
+        """The optimized HLO text of every program compiled so far: what a profile's operations name."""
+        return "\n".join(c.as_text() for c in self._compiled.values())
+
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
                  eos_ids: Sequence[int] | None = None,

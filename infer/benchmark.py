@@ -136,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", metavar="DIR",
                    help="also trace one batch of each method (first batch size and temperature) with jax.profiler "
                         "into DIR/<method> (Perfetto traces, for ui.perfetto.dev or TensorBoard) and report each "
-                        "method's most costly operations per step: kernels on an accelerator, XLA ops on a CPU")
+                        "method's most costly operations per step (kernels on an accelerator, XLA ops on a CPU), "
+                        "each with its result shape and the JAX operation it came from")
     p.add_argument("--json", metavar="OUT", help="write the results as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="write a PNG: speedup and tau per method, acceptance per depth")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of random heads and random --shape weights (default: %(default)s)")
@@ -266,11 +267,45 @@ def profile_folder(name: str) -> str:
     return re.sub(r"[^\w.=,-]+", "_", name)
 
 
+def hlo_sources(text: str) -> dict[str, tuple[str, str]]:
+    """Instruction name -> (result shape, what it computes) in optimized HLO text, so a profile can say
+    what `ynn_fusion.25` is: the JAX operation it came from (its op_name) or, where the compiler kept
+    none, that of the computation it calls, else the opcode at that computation's root (or its own).
+    Names repeat across programs; the first program's is kept."""
+    named: dict[str, str] = {}  # computation -> first op_name in its body
+    roots: dict[str, str] = {}  # computation -> its root's opcode
+    current = None
+    instructions = []
+    for line in text.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.-]+) \(", line)
+        if head:
+            current = head.group(1)
+            continue
+        inst = re.match(r"^\s+(ROOT )?%?([\w.-]+) = (\([^=]*?\)|\S+) ([\w-]+)\(", line)
+        if not inst:
+            continue
+        source = re.search(r'op_name="([^"]*)"', line)
+        if source and current:
+            named.setdefault(current, source.group(1))
+        if inst.group(1) and current:
+            roots[current] = inst.group(4)
+        called = re.search(r"calls=%?([\w.-]+)", line)
+        instructions.append((inst.group(2), inst.group(3), inst.group(4), source.group(1) if source else None,
+                             called.group(1) if called else None))
+    out: dict[str, tuple[str, str]] = {}
+    for name, shape, opcode, source, called in instructions:
+        source = source or named.get(called) or roots.get(called, opcode)
+        source = re.sub(r"^jit\([^)]*\)/", "", source).replace("while/body/", "").replace("while/cond/", "")
+        out.setdefault(name, (re.sub(r"\{[^}]*\}", "", shape), source))
+    return out
+
+
 def profile_ops(generator: Generator, group: list[list[int]], max_new: int, sampling: SamplingConfig, seed: int,
                 out_dir: Path, top: int = 10) -> list[dict]:
     """Trace one generation of `group` (an already compiled batch) into `out_dir` and rank its operations
     by time per step: on an accelerator the device's kernels, on a CPU the events of XLA operations
-    (those naming an `hlo_op`): the reading behind the GPU profile in docs/benchmarks.md."""
+    (those naming an `hlo_op`), each with its result shape and source (`hlo_sources`): the reading
+    behind the profiles in docs/benchmarks.md."""
     out_dir.mkdir(parents=True, exist_ok=True)
     with jax.profiler.trace(str(out_dir), create_perfetto_trace=True):
         out = generator.generate(group, max_new, sampling, seed=seed, eos_ids=())
@@ -282,18 +317,20 @@ def profile_ops(generator: Generator, group: list[list[int]], max_new: int, samp
     events = events["traceEvents"] if isinstance(events, dict) else events
     procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     device = {pid for pid, name in procs.items() if name.startswith("/device:")}
-    totals: dict[str, list[float]] = {}
+    totals: dict[str, list] = {}  # name -> [calls, microseconds, HLO op]
     containers = ("while", "conditional", "call")  # their time is their body's operations', counted apart
     for e in events:
         if e.get("ph") != "X" or e["name"].split(".")[0] in containers:
             continue
         if e["pid"] in device if device else "hlo_op" in (e.get("args") or {}):
-            t = totals.setdefault(e["name"], [0, 0.0])
+            t = totals.setdefault(e["name"], [0, 0.0, (e.get("args") or {}).get("hlo_op", e["name"])])
             t[0] += 1
             t[1] += float(e.get("dur", 0.0))
     steps = max(out.steps, 1)
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
-    return [dict(op=name, calls_per_step=calls / steps, us_per_step=us / steps) for name, (calls, us) in ranked]
+    sources = hlo_sources(generator.compiled_hlo())  # a GPU kernel names its HLO op in its args
+    return [dict(op=name, shape=sources.get(hlo, ("", ""))[0], source=sources.get(hlo, ("", ""))[1],
+                 calls_per_step=calls / steps, us_per_step=us / steps) for name, (calls, us, hlo) in ranked]
 
 
 def plain_phases(generator: Generator, prompts: list[list[int]], max_new: int, repeats: int) -> dict:
@@ -697,7 +734,8 @@ def _benchmark(args: argparse.Namespace) -> int:
     for name, ops in profiles.items():
         print(f"\nprofile, {name} (batch {sizes[0]}): most costly operations per step")
         for op in ops[:6]:
-            print(f"  {op['us_per_step']:9.1f} us  {op['calls_per_step']:6.1f} calls  {op['op'][:90]}")
+            print(f"  {op['us_per_step']:9.1f} us  {op['calls_per_step']:6.1f} calls  {op['op'][:40]:<40} "
+                  f"{op['shape'][:24]:<24} {op['source'][-60:]}")
     result = {"results": [dataclasses.asdict(r) for r in rows], "plain_efficiency": efficiency, "shape": shape,
               "profile": profiles or None,
               "machine": machine_info(bandwidth),

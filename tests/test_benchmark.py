@@ -24,6 +24,7 @@ def test_benchmark_runs_and_reports(tmp_path, capsys):
         assert ops and all(op["us_per_step"] > 0 and op["calls_per_step"] > 0 for op in ops)
         assert ops == sorted(ops, key=lambda op: -op["us_per_step"])
         assert not any(op["op"].startswith("while") for op in ops)  # a loop's time is its body's
+        assert all(op["shape"] and op["source"] for op in ops)  # each named by its shape and source
         folder = tmp_path / "profile" / benchmark.profile_folder(name)
         assert list(folder.glob("**/*perfetto_trace.json.gz"))
     assert benchmark.profile_folder("medusa trees/my tree.json dv=32768") == "medusa_trees_my_tree.json_dv=32768"
@@ -111,3 +112,20 @@ def test_acceptance_curves_merge_draft_vocabularies_that_accept_alike():
             row("clover2", "default", "auto", [0.5, 0.3], t=1.0)]
     names = [name for name, _ in benchmark.acceptance_curves(rows)]
     assert names == ["medusa chain:2", "clover2 default dv=0", "clover2 default", "clover2 default T=1"]
+
+
+def test_hlo_sources_name_what_an_operation_computes():
+    """A profile's operation names (`dot.3`, `ynn_fusion.25`) are looked up in the optimized HLO: the
+    result shape and the JAX operation, or for a fusion the one inside it."""
+    import jax
+    import jax.numpy as jnp
+
+    text = jax.jit(lambda x, w: jnp.tanh(jnp.einsum("nd,df->nf", x, w))).lower(
+        jnp.ones((2, 4)), jnp.ones((4, 3))).compile().as_text()
+    sources = benchmark.hlo_sources(text)
+    assert any(shape == "f32[2,3]" and "dot" in source for shape, source in sources.values())
+    assert all(name and shape for name, (shape, _) in sources.items())
+    # A fusion without its own source takes its computation's.
+    fused = "%fused_computation.7 (p: f32[2]) -> f32[2] {\n  ROOT %e.1 = f32[2]{0} exponential(%p), metadata={op_name=\"jit(f)/exp\"}\n}\n"
+    entry = "ENTRY %main.2 (a: f32[2]) -> f32[2] {\n  ROOT %loop_fusion.3 = f32[2]{0} fusion(%a), kind=kLoop, calls=%fused_computation.7\n}\n"
+    assert benchmark.hlo_sources(fused + entry)["loop_fusion.3"] == ("f32[2]", "exp")
