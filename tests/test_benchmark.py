@@ -129,3 +129,13 @@ def test_hlo_sources_name_what_an_operation_computes():
     fused = "%fused_computation.7 (p: f32[2]) -> f32[2] {\n  ROOT %e.1 = f32[2]{0} exponential(%p), metadata={op_name=\"jit(f)/exp\"}\n}\n"
     entry = "ENTRY %main.2 (a: f32[2]) -> f32[2] {\n  ROOT %loop_fusion.3 = f32[2]{0} fusion(%a), kind=kLoop, calls=%fused_computation.7\n}\n"
     assert benchmark.hlo_sources(fused + entry)["loop_fusion.3"] == ("f32[2]", "exp")
+
+
+def test_exactness_note_only_where_numerics_explain_a_difference():
+    """A bfloat16 row that parts from plain decoding gets the rounding explanation; float32 never does
+    (there a difference is a bug, and the table says OUTPUT DIFFERS FROM PLAIN)."""
+    same, differs = benchmark.Row("clover2", 1, matches_plain=True), benchmark.Row("clover2", 1, matches_plain=False)
+    assert benchmark.exactness_note([same], "bfloat16") is None
+    assert benchmark.exactness_note([same, differs], "float32") is None
+    assert "rounds some logits differently" in benchmark.exactness_note([same, differs], "bfloat16")
+    assert "OUTPUT DIFFERS FROM PLAIN" in benchmark.format_table([differs])
