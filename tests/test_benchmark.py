@@ -4,6 +4,8 @@ every mode (engine, transformers peer, --shape), its JSON has the documented fie
 import json
 import math
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from infer import benchmark
@@ -117,9 +119,6 @@ def test_acceptance_curves_merge_draft_vocabularies_that_accept_alike():
 def test_hlo_sources_name_what_an_operation_computes():
     """A profile's operation names (`dot.3`, `ynn_fusion.25`) are looked up in the optimized HLO: the
     result shape and the JAX operation, or for a fusion the one inside it."""
-    import jax
-    import jax.numpy as jnp
-
     text = jax.jit(lambda x, w: jnp.tanh(jnp.einsum("nd,df->nf", x, w))).lower(
         jnp.ones((2, 4)), jnp.ones((4, 3))).compile().as_text()
     sources = benchmark.hlo_sources(text)
