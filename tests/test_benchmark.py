@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from infer import benchmark
+from infer import benchmark, profiling, report
 
 
 def test_benchmark_runs_and_reports(tmp_path, capsys):
@@ -27,9 +27,9 @@ def test_benchmark_runs_and_reports(tmp_path, capsys):
         assert ops == sorted(ops, key=lambda op: -op["us_per_step"])
         assert not any(op["op"].startswith("while") for op in ops)  # a loop's time is its body's
         assert all(op["shape"] and op["source"] for op in ops)  # each named by its shape and source
-        folder = tmp_path / "profile" / benchmark.profile_folder(name)
+        folder = tmp_path / "profile" / profiling.profile_folder(name)
         assert list(folder.glob("**/*perfetto_trace.json.gz"))
-    assert benchmark.profile_folder("medusa trees/my tree.json dv=32768") == "medusa_trees_my_tree.json_dv=32768"
+    assert profiling.profile_folder("medusa trees/my tree.json dv=32768") == "medusa_trees_my_tree.json_dv=32768"
     rows = {(r["method"], r["tree"], r["batch_size"]): r for r in result["results"]}
     configs = [("plain", ""), ("medusa", "chain:2"), ("medusa", "chain:1"), ("clover2", "default"), ("hf-generate", "")]
     assert set(rows) == {(m, t, b) for m, t in configs for b in (1, 2)} | {("hf-prompt-lookup", "", 1)}
@@ -107,12 +107,12 @@ def test_benchmark_sampling_and_draft_vocabulary_rows(tmp_path):
 def test_acceptance_curves_merge_draft_vocabularies_that_accept_alike():
     """The plot draws one curve for rows that differ only in their draft vocabulary when they accept
     alike, and keeps both, named apart, when they do not."""
-    row = lambda method, tree, dv, accept, t=0.0: benchmark.Row(method=method, batch_size=1, tree=tree, draft_vocab=dv,
+    row = lambda method, tree, dv, accept, t=0.0: report.Row(method=method, batch_size=1, tree=tree, draft_vocab=dv,
                                                                 accept_per_depth=accept, temperature=t)
     rows = [row("medusa", "chain:2", "0", [0.8, 0.6]), row("medusa", "chain:2", "auto", [0.8, 0.6]),
             row("clover2", "default", "0", [0.9, 0.7]), row("clover2", "default", "auto", [0.9, 0.8]),
             row("clover2", "default", "auto", [0.5, 0.3], t=1.0)]
-    names = [name for name, _ in benchmark.acceptance_curves(rows)]
+    names = [name for name, _ in report.acceptance_curves(rows)]
     assert names == ["medusa chain:2", "clover2 default dv=0", "clover2 default", "clover2 default T=1"]
 
 
@@ -121,20 +121,20 @@ def test_hlo_sources_name_what_an_operation_computes():
     result shape and the JAX operation, or for a fusion the one inside it."""
     text = jax.jit(lambda x, w: jnp.tanh(jnp.einsum("nd,df->nf", x, w))).lower(
         jnp.ones((2, 4)), jnp.ones((4, 3))).compile().as_text()
-    sources = benchmark.hlo_sources(text)
+    sources = profiling.hlo_sources(text)
     assert any(shape == "f32[2,3]" and "dot" in source for shape, source in sources.values())
     assert all(name and shape for name, (shape, _) in sources.items())
     # A fusion without its own source takes its computation's.
     fused = "%fused_computation.7 (p: f32[2]) -> f32[2] {\n  ROOT %e.1 = f32[2]{0} exponential(%p), metadata={op_name=\"jit(f)/exp\"}\n}\n"
     entry = "ENTRY %main.2 (a: f32[2]) -> f32[2] {\n  ROOT %loop_fusion.3 = f32[2]{0} fusion(%a), kind=kLoop, calls=%fused_computation.7\n}\n"
-    assert benchmark.hlo_sources(fused + entry)["loop_fusion.3"] == ("f32[2]", "exp")
+    assert profiling.hlo_sources(fused + entry)["loop_fusion.3"] == ("f32[2]", "exp")
 
 
 def test_exactness_note_only_where_numerics_explain_a_difference():
     """A bfloat16 row that parts from plain decoding gets the rounding explanation; float32 never does
     (there a difference is a bug, and the table says OUTPUT DIFFERS FROM PLAIN)."""
-    same, differs = benchmark.Row("clover2", 1, matches_plain=True), benchmark.Row("clover2", 1, matches_plain=False)
-    assert benchmark.exactness_note([same], "bfloat16") is None
-    assert benchmark.exactness_note([same, differs], "float32") is None
-    assert "rounds some logits differently" in benchmark.exactness_note([same, differs], "bfloat16")
-    assert "OUTPUT DIFFERS FROM PLAIN" in benchmark.format_table([differs])
+    same, differs = report.Row("clover2", 1, matches_plain=True), report.Row("clover2", 1, matches_plain=False)
+    assert report.exactness_note([same], "bfloat16") is None
+    assert report.exactness_note([same, differs], "float32") is None
+    assert "rounds some logits differently" in report.exactness_note([same, differs], "bfloat16")
+    assert "OUTPUT DIFFERS FROM PLAIN" in report.format_table([differs])

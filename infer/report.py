@@ -1,0 +1,205 @@
+"""What a benchmark run reports: its rows, the terminal table and summary lines, the JSON and the plot."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+from pathlib import Path
+
+import jax
+import numpy as np
+
+
+@dataclasses.dataclass
+class Row:
+    method: str
+    batch_size: int
+    tree: str = ""
+    temperature: float = 0.0
+    draft_vocab: str = ""  # the --draft-vocab value of a speculative row
+    draft_vocab_size: int = 0  # tokens the heads drafted from; 0: the whole vocabulary
+    tree_nodes: int = 1
+    tau: float | None = 1.0  # None for the transformers rows (their steps are not ours to count)
+    accept_per_depth: list[float] = dataclasses.field(default_factory=list)
+    tokens_per_s: float = 0.0
+    speedup: float = 1.0
+    step_ms: float = 0.0  # the whole generation's time (prefill included) per forward pass
+    steps: int = 0  # forward passes over the prompt set, the prefills included
+    new_tokens: int = 0
+    compile_s: float = 0.0
+    compilations: int = 0
+    buckets: int = 0
+    matches_plain: bool | None = None
+
+    @property
+    def name(self) -> str:
+        return label(self.method, self.tree or None, self.temperature, self.draft_vocab)
+
+
+def label(method: str, tree: str | None, temperature: float = 0.0, draft_vocab: str | None = None) -> str:
+    """A row's name: the method, for a speculative one its tree and a draft vocabulary other than auto,
+    and a temperature other than 0."""
+    name = method if method == "plain" or method.startswith("hf-") else f"{method} {tree or 'default'}"
+    if draft_vocab and draft_vocab != "auto":
+        name += f" dv={draft_vocab}"
+    return name if not temperature else f"{name} T={temperature:g}"
+
+
+def machine_info(bandwidth: float) -> dict:
+    dev = jax.devices()[0]
+    return dict(platform=dev.platform, device=dev.device_kind, devices=jax.device_count(),
+                cpu=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
+                jax=jax.__version__, bandwidth_bytes_per_s=bandwidth,
+                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+
+
+def format_table(rows: list[Row]) -> str:
+    head = f"{'method':<17}{'batch':>5} {'tree':<22}{'vocab':>6}{'tau':>6}{'tok/s':>9}{'speedup':>8}{'step ms':>9}" \
+           f"{'compile s':>10}{'compiles':>9}  accept@1..D"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        tree = f"{r.tree} ({r.tree_nodes})" if r.tree else "-"
+        vocab = "-" if not r.tree else str(r.draft_vocab_size or "all")
+        compiles = f"{r.compilations}/{r.buckets}" if r.buckets else "-"
+        same = "" if r.matches_plain is None else ("" if r.matches_plain else "  OUTPUT DIFFERS FROM PLAIN")
+        step = f"{r.step_ms:.2f}" if r.step_ms else "-"
+        comp = f"{r.compile_s:.1f}" if r.buckets else "-"
+        tau = "-" if r.tau is None else f"{r.tau:.2f}"
+        name = r.method if not r.temperature else f"{r.method} T={r.temperature:g}"
+        lines.append(f"{name:<17}{r.batch_size:>5} {tree:<22}{vocab:>6}{tau:>6}{r.tokens_per_s:>9.1f}{r.speedup:>7.2f}x"
+                     f"{step:>9}{comp:>10}{compiles:>9}  {' '.join(f'{a:.2f}' for a in r.accept_per_depth)}{same}")
+    return "\n".join(lines)
+
+
+def exactness_note(rows: list[Row], dtype: str) -> str | None:
+    """Why a greedy row wrote other tokens than plain decoding, where numerics explain it (not float32)."""
+    if dtype == "float32" or all(r.matches_plain is not False for r in rows):
+        return None
+    return (f"In {dtype}, a forward pass over several tokens rounds some logits differently from one over a "
+            "single token, so a near-tie can go the other way and the texts part there; in float32 greedy "
+            "speculative decoding writes plain decoding's tokens exactly (README).")
+
+
+def summary(rows: list[Row], sizes: list[int], dtype: str, efficiency: dict | None, shape: dict | None,
+            profiles: dict[str, list[dict]]) -> str:
+    """The lines under the table: why bfloat16 rows may part from plain decoding, plain decoding against
+    the bandwidth limit, the ratios to transformers generate, --shape's projection and --profile's ops."""
+    out = []
+    note = exactness_note(rows, dtype)
+    if note:
+        out.append("\n" + note)
+    if efficiency:
+        e = efficiency
+        out.append(f"\nplain decoding, batch 1: {e['bytes_per_step'] / 1e6:.1f} MB read per step "
+                   f"(weights {e['weight_bytes'] / 1e6:.1f} MB + KV {e['kv_bytes_per_step'] / 1e6:.2f} MB) "
+                   f"in {e['decode_step_ms']:.2f} ms (prefill excluded: {e['prefill_ms_per_prompt']:.1f} ms per prompt) "
+                   f"= {e['achieved_bytes_per_s'] / 1e9:.1f} GB/s; streaming reads between the prompts "
+                   f"{e['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s -> {100 * e['fraction_of_bandwidth']:.0f}% "
+                   f"of the limit ({e['limit_step_ms']:.2f} ms/step; median of the passes: "
+                   + ", ".join(f"{100 * p['fraction_of_bandwidth']:.0f}%" for p in e["passes"]) + ")")
+    for b in sizes:
+        hf = {r.method: r for r in rows if r.batch_size == b and r.method.startswith("hf-")}
+        if "hf-generate" in hf:
+            ours = {r.name: r.tokens_per_s for r in rows
+                    if r.batch_size == b and not r.method.startswith("hf-") and not r.temperature}
+            ratios = ", ".join(f"{m} {t / hf['hf-generate'].tokens_per_s:.1f}x" for m, t in ours.items())
+            out.append(f"against transformers generate, batch {b}: {ratios}")
+    if shape:
+        out.append(f"\n--shape {shape['shape']} ({shape['layers']} layers, bfloat16, batch {shape['batch_size']}, "
+                   f"{shape['weight_bytes'] / 1e9:.2f} GB of weights; bandwidth limit {shape['limit_step_ms']:.2f} ms/step):")
+        for m, s in shape["methods"].items():
+            out.append(f"  {m:<24} step {s['step_ms']:8.2f} ms  nodes {s['tree_nodes']:>3}  tau(reference) "
+                       f"{s['tau_reference']:.2f}  projected speedup {s['projected_speedup']:.2f}x  "
+                       f"(compiled in {s['compile_s']:.0f} s)")
+    for name, ops in profiles.items():
+        out.append(f"\nprofile, {name} (batch {sizes[0]}): most costly operations per step")
+        for op in ops[:6]:
+            out.append(f"  {op['us_per_step']:9.1f} us  {op['calls_per_step']:6.1f} calls  {op['op'][:40]:<40} "
+                       f"{op['shape'][:24]:<24} {op['source'][-60:]}")
+    return "\n".join(out)
+
+
+def _label_bars(ax, names: list[str], offset: float = 0.0) -> None:
+    """A bar panel's x labels, slanted so long row names stay readable, and the 1.0 line."""
+    ax.set_xticks(np.arange(len(names)) + offset)
+    ax.set_xticklabels(names, rotation=50, ha="right", rotation_mode="anchor", fontsize=8)
+    ax.axhline(1.0, color="grey", lw=0.8)
+
+
+METHOD_COLORS = {"medusa": "tab:blue", "clover": "tab:green", "clover2": "tab:red"}
+
+
+def acceptance_curves(rows: list[Row]) -> list[tuple[str, Row]]:
+    """(legend name, row) per acceptance curve to draw: rows that differ only in their draft vocabulary
+    and accept alike (as they mostly do) share one curve, named without the vocabulary."""
+    groups: dict[tuple, list[Row]] = {}
+    for r in rows:
+        groups.setdefault((r.method, r.tree, r.temperature), []).append(r)
+    curves = []
+    for (method, tree, temperature), group in groups.items():
+        alike = len({tuple(np.round(r.accept_per_depth, 2)) for r in group}) == 1
+        curves += [(label(method, tree or None, temperature), group[0])] if alike else [(r.name, r) for r in group]
+    return curves
+
+
+def plot(rows: list[Row], out: str, shape: dict | None = None) -> None:
+    """Speedup and tau per row, acceptance per depth; with `--shape`, also its projected speedups."""
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r.name for r in rows))
+    sizes = sorted({r.batch_size for r in rows})
+    bars = max(4.5, 0.4 * len(names))  # inches per bar panel: room for every label
+    shaped = list(shape["methods"]) if shape else []
+    widths = (bars, bars) + ((max(4.5, 0.4 * len(shaped)),) if shaped else ()) + (5.5,)
+    fig, axes = plt.subplots(1, len(widths), figsize=(sum(widths), 4.2), width_ratios=widths)
+    width = 0.8 / len(sizes)
+    for k, b in enumerate(sizes):
+        by = {r.name: r for r in rows if r.batch_size == b}
+        xs = np.arange(len(names)) + k * width
+        axes[0].bar(xs, [by[m].speedup if m in by else 0 for m in names], width, label=f"batch {b}")
+        axes[1].bar(xs, [(by[m].tau or 0) if m in by else 0 for m in names], width, label=f"batch {b}")
+    for ax, title in ((axes[0], "speedup over plain (tokens/s ratio)"), (axes[1], "tau: tokens per base forward")):
+        _label_bars(ax, names, width * (len(sizes) - 1) / 2)
+        ax.set_title(title)
+        ax.legend()
+    if shaped:
+        ax, methods = axes[2], shape["methods"]
+        heights = [methods[m]["projected_speedup"] for m in shaped]
+        ax.bar(np.arange(len(shaped)), heights, 0.6, color="tab:green")
+        for i, m in enumerate(shaped):
+            ax.annotate(f"{methods[m]['step_ms']:.1f}", (i, heights[i]), ha="center", va="bottom", fontsize=7)
+        _label_bars(ax, shaped)
+        ax.set_title(f"--shape {shape['shape']}: projected speedup\n(tau x plain step / step; step ms on bars)", fontsize=10)
+    curves = acceptance_curves([r for r in rows if r.accept_per_depth and r.batch_size == sizes[0]])
+    trees: dict[str, list[str]] = {}
+    for name, r in curves:  # a colour per method, a marker per tree (hollow: not the default draft
+        shapes = trees.setdefault(r.method, [])  # vocabulary, where it accepts otherwise), sampled rows dashed
+        shapes += [r.tree] if r.tree not in shapes else []
+        axes[-1].plot(range(1, len(r.accept_per_depth) + 1), r.accept_per_depth, color=METHOD_COLORS.get(r.method),
+                      marker="osD^vP*X"[shapes.index(r.tree) % 8], ls="--" if r.temperature else "-", label=name,
+                      mfc="none" if name.endswith(f"dv={r.draft_vocab}") else None)
+    axes[-1].set_title(f"steps accepting >= d drafted tokens (batch {sizes[0]})")
+    axes[-1].set_xlabel("depth d")
+    axes[-1].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    axes[-1].set_ylim(0, 1)
+    if curves:  # beside the panel: with many rows a legend inside would hide the curves
+        axes[-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1), ncol=1 + len(curves) // 16)
+    fig.tight_layout()
+    tmp = Path(out).with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110, bbox_inches="tight")
+    os.replace(tmp, out)
+    plt.close(fig)
+
+
+def write_json(result: dict, out: str) -> None:
+    """Written whole or not at all: a killed run leaves no truncated file."""
+    tmp = Path(out).with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, out)
