@@ -15,6 +15,9 @@ import numpy as np
 
 @dataclasses.dataclass
 class Row:
+    """One measured configuration (method, tree, draft vocabulary, batch size, temperature) and its
+    figures; the JSON's `results` are these rows."""
+
     method: str
     batch_size: int
     tree: str = ""
