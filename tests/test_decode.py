@@ -9,6 +9,7 @@ import torch
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import Generator
 from clover_jax.errors import CloverError
+from clover_jax.sampling import SamplingConfig
 from conftest import MAX_NEW, PROMPTS, VOCAB, assert_one_line
 
 
@@ -81,6 +82,18 @@ def test_compiles_once_per_bucket(loaded):
     assert gen.compilations == 2 and longer.compile_seconds > 0
     gen.generate([[1, 2]], 4)
     assert gen.compilations == 2
+
+
+def test_set_up_run_leaves_the_output_alone(loaded):
+    """A new program runs once on a prefill and one step before the timed run (its set-up counts as
+    compile time); that run must not touch what the timed one writes, sampled tokens included."""
+    _, _, _, model = loaded("llama2")
+    gen = Generator(model)
+    sampling = SamplingConfig(temperature=1.0)
+    first = gen.generate(PROMPTS, MAX_NEW, sampling, seed=3, eos_ids=[], budgets=[MAX_NEW, 1, 0])
+    again = gen.generate(PROMPTS, MAX_NEW, sampling, seed=3, eos_ids=[], budgets=[MAX_NEW, 1, 0])
+    assert first.compile_seconds > 0 and again.compile_seconds == 0
+    assert first.tokens == again.tokens and [len(t) for t in first.tokens] == [MAX_NEW, 1, 0]
 
 
 def test_prompt_longer_than_cache(loaded):
