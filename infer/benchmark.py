@@ -40,17 +40,17 @@ from infer.report import Row, label
 from infer.shapes import SHAPES, project, shape_step_times
 
 EPILOG = """\
-Rows: one per method, tree, draft vocabulary and batch size. vocab = tokens the heads drafted from
-(all: the whole vocabulary; see --draft-vocab). tau = tokens per forward pass of the base model (bonus token
+Rows: one per method, tree, draft vocabulary and batch size. vocab = tokens the heads drafted from (all:
+the whole vocabulary; see --draft-vocab). tau = tokens per forward pass of the base model (bonus token
 included; plain = 1.00); accept@d = share of steps that accepted at least d drafted tokens; speedup =
 tokens/s over plain decoding's at the same batch size in this run; compile s = seconds spent compiling,
 each new program's first (set-up) run included; compiles = programs compiled over the prompt set (the
-bucket count is the most it should be). The bandwidth line divides the bytes a
-plain decoding step reads (weights + KV) by its time, the decoding loop timed apart from the prefill,
-and compares that with streaming reads the benchmark takes between the prompts of the same passes
-(the median over passes of each pass's ratio). With --hf, rows
-`hf-generate` (transformers greedy `generate`) and `hf-prompt-lookup` (its assisted generation without
-a draft model, batch 1) run the same model and prompts in PyTorch on the CPU.
+bucket count is the most it should be). The bandwidth line divides the bytes a plain decoding step reads
+(weights + KV) by its time, the decoding loop timed apart from the prefill, and compares that with
+streaming reads the benchmark takes between the prompts of the same passes (the median over passes of
+each pass's ratio). With --hf, rows `hf-generate` (transformers greedy `generate`) and
+`hf-prompt-lookup` (its assisted generation without a draft model, batch 1) run the same model and
+prompts in PyTorch on the CPU.
 """
 
 
