@@ -71,22 +71,27 @@ def plain_phases(generator: Generator, prompts: list[list[int]], max_new: int, r
     return dict(passes=passes[1:], decode_steps=steps)
 
 
+def weight_bytes(model: Llama) -> int:
+    """Bytes of the model's parameters: what every decoding step reads once."""
+    return int(sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
+
+
 def plain_efficiency(model: Llama, prompts: list[list[int]], max_new: int, phases: dict) -> dict:
     """Batch-1 plain decoding against the bandwidth limit: each decoding step reads every weight once
     and the K/V of the tokens so far (the mean over the run's steps). The step time is the decoding
     loop's alone (`plain_phases`); a prefill reads the weights once for a whole prompt. The fraction is
     the median over the timed passes of each pass's achieved bytes/s over the bandwidth read during it."""
     cfg = model.cfg
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    weights = weight_bytes(model)
     per_token_kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(model.dtype).itemsize
     mean_context = float(np.mean([len(p) + (max_new - 1) / 2 for p in prompts]))
-    step_bytes = weight_bytes + per_token_kv * mean_context
+    step_bytes = weights + per_token_kv * mean_context
     steps = max(phases["decode_steps"], 1)
     passes = phases["passes"]
     decode_s = statistics.median(p["decode_s"] for p in passes) / steps
     bandwidth = statistics.median(p["bandwidth"] for p in passes)
     fraction = statistics.median(step_bytes * steps / p["decode_s"] / p["bandwidth"] for p in passes)
-    return dict(weight_bytes=int(weight_bytes), kv_bytes_per_step=float(per_token_kv * mean_context),
+    return dict(weight_bytes=weights, kv_bytes_per_step=float(per_token_kv * mean_context),
                 bytes_per_step=float(step_bytes), decode_steps=phases["decode_steps"], decode_step_ms=1e3 * decode_s,
                 prefill_ms_per_prompt=1e3 * statistics.median(p["prefill_s"] for p in passes) / len(prompts),
                 achieved_bytes_per_s=step_bytes / decode_s, bandwidth_bytes_per_s=bandwidth,

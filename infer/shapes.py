@@ -20,6 +20,7 @@ from clover_jax.model import Llama
 from clover_jax.sharding import param_sharding
 from clover_jax.speculative import SpeculativeGenerator
 from clover_jax.tree import resolve_tree
+from infer.bandwidth import weight_bytes
 from infer.report import label
 
 # Real architectures with random weights: step latency does not depend on the weights' values.
@@ -96,8 +97,7 @@ def shape_step_times(shape: str, layers: int | None, configs: list[tuple[str, st
             prefill_ms=1e3 * statistics.median(alone), loop_steps=loop_steps, compile_s=compile_s,
             tree_nodes=getattr(getattr(gen, "tree", None), "num_nodes", 1), draft_vocab_size=size)
         del gen
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    return dict(shape=shape, layers=cfg.num_layers, batch_size=batch_size, weight_bytes=int(weight_bytes),
+    return dict(shape=shape, layers=cfg.num_layers, batch_size=batch_size, weight_bytes=weight_bytes(model),
                 methods=out)
 
 
