@@ -1,5 +1,6 @@
 """The shipped reference model: it loads through the real import path, is the model its card describes,
-agrees with transformers, and is what `infer.generate` runs with no flags."""
+agrees with transformers, is what `infer.generate` runs with no flags, and its shipped heads accept in
+the decoding loop exactly what they drafted in training."""
 
 import json
 import re
@@ -105,3 +106,51 @@ def test_decode_loop_updates_the_cache_in_place(reference, method):
     assert bodies, "no while loop in the compiled generation"
     cache_copy = rf"= f32\[1,{cfg.num_kv_heads},\d+,{cfg.head_dim}\]\S* copy\("
     assert not any(re.findall(cache_copy, body) for body in bodies)
+
+
+SIM_NEW = 32
+
+
+@pytest.fixture(scope="module")
+def continuations(reference, tokenizer):
+    """Four prompts of prompts.jsonl, each followed by its plain greedy continuation (a few tokens past
+    SIM_NEW, which a last speculative step's drafts may reach)."""
+    lines = (REF / "prompts.jsonl").read_text(encoding="utf-8").splitlines()[:4]
+    prompts = [tokenizer.encode(json.loads(line)["prompt"]).ids for line in lines]
+    out = Generator(reference[1]).generate(prompts, SIM_NEW + 8, eos_ids=())
+    return prompts, [p + t for p, t in zip(prompts, out.tokens)]
+
+
+def simulated_accept_hist(base, heads, seqs: list[list[int]], prompt_lens: list[int], max_new: int) -> np.ndarray:
+    """[B, D+1] speculative steps on a chain through every head, replayed from training's teacher-forced
+    drafts (`Heads.unroll` over the finished sequences, right-padded into one batch): each step starts
+    where the last one's bonus token landed and accepts drafts while they equal the next tokens."""
+    depth, t_len = heads.num_heads, max(map(len, seqs))
+    tokens = jnp.asarray([s + [0] * (t_len - len(s)) for s in seqs], jnp.int32)
+    out = base(tokens, jnp.broadcast_to(jnp.arange(t_len), tokens.shape), causal_self_mask(len(seqs), t_len))
+    drafts = np.asarray(jnp.argmax(base.logits(heads.unroll(base, out.hidden, out.hidden_normed, tokens)), -1))
+    hist = np.zeros((len(seqs), depth + 1), int)
+    for b, (seq, prompt_len) in enumerate(zip(seqs, prompt_lens)):
+        t, new = prompt_len - 1, 1  # position t's root is token t + 1; head k drafts token t + 2 + k
+        while new < max_new:
+            accepted = int(np.cumprod([drafts[k, b, t] == seq[t + 2 + k] for k in range(depth)]).sum())
+            hist[b, accepted] += 1
+            t, new = t + accepted + 1, new + accepted + 1
+    return hist
+
+
+@pytest.mark.parametrize("method", ["medusa", "clover", "clover2"])
+def test_engine_accepts_what_training_drafts(reference, continuations, method):
+    """The shipped heads accept, step by step in the decoding loop, exactly what their teacher-forced
+    drafts (training's view) say they would: the heads' context carried across steps (Augmenting
+    Block cache, compaction) and the drafting of each depth lose nothing against training. This is
+    also why a chain's acceptance at depth 2 sits under head 2's held-out accuracy: steps start
+    where the previous draft failed, and those positions are harder (docs/benchmarks.md)."""
+    base = reference[1]
+    prompts, seqs = continuations
+    heads = load_heads(REF / "heads" / method, base, method)
+    gen = SpeculativeGenerator(base, heads, resolve_tree(f"chain:{heads.num_heads}", method, heads.num_heads))
+    out = gen.generate(prompts, SIM_NEW, eos_ids=())
+    want = simulated_accept_hist(base, heads, seqs, [len(p) for p in prompts], SIM_NEW)
+    np.testing.assert_array_equal(out.accept_hist, want)
+    assert out.accept_hist[:, 1:].sum() > 0  # the heads do accept: the comparison is not all zeros
