@@ -52,7 +52,7 @@ def test_training_notebook_trains_heads_that_beat_fresh_ones(monkeypatch, tmp_pa
     tau = {k: float(v) for k, v in re.findall(r"(fresh|trained here|shipped) ([\d.]+)", printed.split("tau: ")[-1])}
     assert tau["fresh"] < 1.2  # untrained heads: almost every draft rejected
     assert tau["trained here"] > tau["fresh"] + 0.3
-    assert tau["shipped"] > tau["trained here"]  # 900 steps on 1,200 prompts
+    assert tau["shipped"] > tau["trained here"]  # 2,400 steps on 6,000 prompts
     assert images(nb) == 2  # loss and accuracy; tau and acceptance per depth
 
 

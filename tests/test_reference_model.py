@@ -18,7 +18,7 @@ from clover_jax.model import causal_self_mask
 from clover_jax.speculative import SpeculativeGenerator
 from clover_jax.tree import resolve_tree
 from infer import generate
-from train import corpus
+from train import corpus, losses
 
 REF = Path(__file__).resolve().parents[1] / "models" / "reference"
 CARD_LOSS = re.compile(r"prompt-set loss \(first (\d+) prompts, float32\): ([\d.]+) nats/token")
@@ -121,22 +121,19 @@ def continuations(reference, tokenizer):
     return prompts, [p + t for p, t in zip(prompts, out.tokens)]
 
 
-def simulated_accept_hist(base, heads, seqs: list[list[int]], prompt_lens: list[int], max_new: int) -> np.ndarray:
-    """[B, D+1] speculative steps on a chain through every head, replayed from training's teacher-forced
-    drafts (`Heads.unroll` over the finished sequences, right-padded into one batch): each step starts
-    where the last one's bonus token landed and accepts drafts while they equal the next tokens."""
+def replayed_accept_hist(base, heads, seqs: list[list[int]], prompt_lens: list[int], max_new: int) -> np.ndarray:
+    """[B, D+1] decoding steps of a chain through every head, replayed (`losses.replay_chain`) from
+    training's teacher-forced drafts over the finished sequences (right-padded into one batch), for a
+    generation of max_new tokens: the prefill writes the first, and steps run until there are max_new."""
     depth, t_len = heads.num_heads, max(map(len, seqs))
     tokens = jnp.asarray([s + [0] * (t_len - len(s)) for s in seqs], jnp.int32)
     out = base(tokens, jnp.broadcast_to(jnp.arange(t_len), tokens.shape), causal_self_mask(len(seqs), t_len))
     drafts = np.asarray(jnp.argmax(base.logits(heads.unroll(base, out.hidden, out.hidden_normed, tokens)), -1))
-    hist = np.zeros((len(seqs), depth + 1), int)
-    for b, (seq, prompt_len) in enumerate(zip(seqs, prompt_lens)):
-        t, new = prompt_len - 1, 1  # position t's root is token t + 1; head k drafts token t + 2 + k
-        while new < max_new:
-            accepted = int(np.cumprod([drafts[k, b, t] == seq[t + 2 + k] for k in range(depth)]).sum())
-            hist[b, accepted] += 1
-            t, new = t + accepted + 1, new + accepted + 1
-    return hist
+    targets = np.stack([np.pad(np.asarray(tokens)[:, k + 2:], ((0, 0), (0, k + 2))) for k in range(depth)])
+    # A step at position t adds accepted + 1 tokens and moves t as far, so max_new is reached at
+    # t = prompt_len - 1 + max_new - 1.
+    return np.stack([losses.replay_chain(drafts[:, b] == targets[:, b], n - 1, n + max_new - 2)
+                     for b, n in enumerate(prompt_lens)])
 
 
 @pytest.mark.parametrize("method", ["medusa", "clover", "clover2"])
@@ -151,6 +148,6 @@ def test_engine_accepts_what_training_drafts(reference, continuations, method):
     heads = load_heads(REF / "heads" / method, base, method)
     gen = SpeculativeGenerator(base, heads, resolve_tree(f"chain:{heads.num_heads}", method, heads.num_heads))
     out = gen.generate(prompts, SIM_NEW, eos_ids=())
-    want = simulated_accept_hist(base, heads, seqs, [len(p) for p in prompts], SIM_NEW)
+    want = replayed_accept_hist(base, heads, seqs, [len(p) for p in prompts], SIM_NEW)
     np.testing.assert_array_equal(out.accept_hist, want)
     assert out.accept_hist[:, 1:].sum() > 0  # the heads do accept: the comparison is not all zeros

@@ -168,6 +168,34 @@ def test_topk_accuracy_by_hand(top):
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
+def test_replay_chain_by_hand():
+    """Three heads over ten positions: a step at t accepts the leading run of hits[:, t], and the next
+    starts at t + accepted + 1 (the bonus token's position), so the hits in between are never read."""
+    hits = np.zeros((3, 10), bool)
+    hits[:, 0] = [1, 1, 0]  # t=0 accepts 2 -> t=3
+    hits[:, 1] = [1, 1, 1]  # skipped
+    hits[:, 3] = [0, 1, 1]  # t=3 accepts 0 -> t=4
+    hits[:, 4] = [1, 1, 1]  # t=4 accepts 3 -> t=8
+    hits[:, 8] = [1, 0, 1]  # t=8 accepts 1 -> t=10, past the stop
+    np.testing.assert_array_equal(losses.replay_chain(hits, 0, 10), [1, 1, 1, 1])
+    np.testing.assert_array_equal(losses.replay_chain(hits, 0, 8), [1, 0, 1, 1])  # t=8 is not a step
+    np.testing.assert_array_equal(losses.replay_chain(hits, 1, 10), [3, 1, 0, 1])  # 1 -> 5 -> 6 -> 7 -> 8 -> 10
+    assert losses.tau_of(np.array([1, 1, 1, 1])) == 1 + 6 / 4
+
+
+def test_chain_steps_start_at_the_response_and_stop_before_the_window_runs_out():
+    """Row 0: prompt at 0..2, response at 3..9, so steps start at t=2 (root = token 3) and stop once head
+    1's target t+3 leaves the response (t <= 6). Row 1 has no response, and adds no step."""
+    k_heads = 2
+    loss_mask = np.zeros((2, 10), np.float32)
+    loss_mask[0, 3:] = 1
+    hits = np.ones((k_heads, 2, 10), bool)
+    # t=2 accepts 2 -> t=5 accepts 2 -> t=8: past the last full step (t=6), so two steps.
+    np.testing.assert_array_equal(losses.chain_steps(hits, loss_mask), [0, 0, 2])
+    hits[1, 0, 5] = False  # t=5 now accepts 1 -> t=7, also past t=6
+    np.testing.assert_array_equal(losses.chain_steps(hits, loss_mask), [0, 1, 1])
+
+
 # ---------------------------------------------------------------------------------------------------
 # Teacher forcing sees what drafting sees.
 
@@ -311,6 +339,7 @@ def test_training_lowers_the_loss_and_leaves_the_base_alone(method, trained, mod
     assert meta["final_step"] == STEPS and meta["heads"]["method"] == method
     if method == "medusa":
         assert len(meta["held_out"]["val_top1"]) == NUM_HEADS and (work / "best").is_dir()
+        assert 1.0 <= meta["held_out"]["val_chain_tau"] <= NUM_HEADS + 1
 
     # The checkpoint holds the heads' parameters and an optimizer state over them alone.
     mgr = ocp.CheckpointManager(work / "checkpoints")

@@ -5,12 +5,16 @@ Clover-2 distils the base model at position t+1+k instead (the position whose ou
 distribution): 10 * SmoothL1 between the head's lm_head input and the base model's normed hidden state
 there, plus the soft cross-entropy against the base model's softmax. Head k is weighted 0.7^k; only
 targets inside the response (loss mask) and inside the sequence count.
+
+`chain_steps` replays decoding's steps over the same teacher-forced drafts, which gives the tokens per
+step a chain through every head will reach; per-head accuracy overstates it (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 HEAD_DECAY = 0.7
@@ -80,3 +84,41 @@ def topk_accuracy(head_logits: jax.Array, targets: jax.Array, masks: jax.Array, 
     top = jax.lax.top_k(head_logits, k)[1]
     hit = jnp.any(top == targets[..., None], axis=-1).astype(jnp.float32)
     return jax.vmap(masked_mean)(hit, masks)
+
+
+def top1_hits(head_logits: jax.Array, targets: jax.Array, masks: jax.Array) -> jax.Array:
+    """[K, B, T] bool: head k's top-1 draft at position t is the data's token t+2+k, and counted."""
+    return (jnp.argmax(head_logits, axis=-1) == targets) & (masks > 0)
+
+
+def replay_chain(hits: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """[K+1] counts of decoding steps accepting 0..K drafts on a chain through K heads, replayed over one
+    sequence from its teacher-forced hits [K, T]. A step at position t (its root being token t+1)
+    accepts the leading run of hits[:, t]; the next step's root is the bonus token that follows them,
+    so it sits at t + accepted + 1. Steps run while start <= t < stop."""
+    hist = np.zeros(hits.shape[0] + 1, np.int64)
+    t = start
+    while t < stop:
+        accepted = int(np.cumprod(hits[:, t]).sum())
+        hist[accepted] += 1
+        t += accepted + 1
+    return hist
+
+
+def chain_steps(hits: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
+    """[K+1] `replay_chain` counts summed over a batch of windows (hits [K, B, T] from `top1_hits`,
+    loss_mask [B, T]): each row's steps start at its first response token as the root and stop where
+    the deepest head's target leaves the response, so no step is cut short by the window's end."""
+    k_heads = hits.shape[0]
+    total = np.zeros(k_heads + 1, np.int64)
+    for b, row in enumerate(np.asarray(loss_mask) > 0):
+        roots = np.flatnonzero(row[1:])  # positions t whose root, token t+1, is a response token
+        full = np.flatnonzero(row[k_heads + 1:])  # positions t whose deepest target, t+1+K, is one
+        if len(roots) and len(full):
+            total += replay_chain(hits[:, b], int(roots[0]), int(full[-1]) + 1)
+    return total
+
+
+def tau_of(hist: np.ndarray) -> float:
+    """Mean tokens per step, the bonus token included, of a [K+1] histogram of accepted drafts."""
+    return float(1 + hist @ np.arange(len(hist)) / max(hist.sum(), 1))

@@ -52,8 +52,9 @@ def base_states(base: Llama, tokens: jax.Array, hidden: jax.Array | None):
     return hidden, normed, jax.lax.stop_gradient(base.logits(normed))
 
 
-def head_loss(heads: Heads, base: Llama, batch: dict):
-    """(loss, metrics) of one batch: the method's loss plus per-head losses and top-1 accuracy."""
+def head_loss(heads: Heads, base: Llama, batch: dict, with_hits: bool = False):
+    """(loss, metrics) of one batch: the method's loss plus per-head losses and top-1/top-5 accuracy;
+    `with_hits` adds each head's top-1 hits [K, B, T] (`losses.top1_hits`), which evaluation replays."""
     tokens, mask = batch["tokens"], batch["loss_mask"]
     hidden, normed, base_logits = base_states(base, tokens, batch.get("hidden"))
     head_hidden = heads.unroll(base, hidden, normed, tokens)  # [K, B, T, D]
@@ -65,6 +66,8 @@ def head_loss(heads: Heads, base: Llama, batch: dict):
     metrics = {"loss": loss, "head_loss": per_head,
                "top1": losses.topk_accuracy(head_logits, targets, masks, 1),
                "top5": losses.topk_accuracy(head_logits, targets, masks, 5)}
+    if with_hits:
+        metrics["hits"] = losses.top1_hits(head_logits, targets, masks)
     return loss, metrics
 
 
@@ -95,7 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=50, help="linear warmup steps before the cosine decay")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16",
                    help="compute dtype of the base model and heads (optimizer state stays float32)")
-    p.add_argument("--eval-every", type=int, default=100, help="held-out evaluation period (steps)")
+    p.add_argument("--eval-every", type=int, default=100,
+                   help="held-out evaluation period (steps): loss, each head's top-1/top-5 accuracy, and the "
+                        "chain tau, the tokens per step a chain through every head would reach, from decoding's "
+                        "steps replayed over the held-out responses")
     p.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation")
     p.add_argument("--val-fraction", type=float, default=0.05, help="share of examples held out")
     p.add_argument("--ckpt-every", type=int, default=100, help="checkpoint period (steps)")
@@ -159,8 +165,9 @@ def run(args) -> int:
     if start:
         print(f"resumed from step {start} in {work}", file=sys.stderr)
 
-    def loss_on(p, bp, batch):
-        return head_loss(nnx.merge(head_graphdef, p), nnx.merge(base_graphdef, jax.lax.stop_gradient(bp)), batch)
+    def loss_on(p, bp, batch, with_hits=False):
+        return head_loss(nnx.merge(head_graphdef, p), nnx.merge(base_graphdef, jax.lax.stop_gradient(bp)), batch,
+                         with_hits)
 
     @jax.jit
     def train_step(p, opt_state, bp, batch):
@@ -168,24 +175,27 @@ def run(args) -> int:
         updates, opt_state = optimizer.update(grads, opt_state, p)
         return optax.apply_updates(p, updates), opt_state, metrics
 
-    evaluate = jax.jit(lambda p, bp, batch: loss_on(p, bp, batch)[1])
+    evaluate = jax.jit(lambda p, bp, batch: loss_on(p, bp, batch, with_hits=True)[1])
 
     def to_device(batch):  # every process computes the whole batch: it is a function of the step
         place = jnp.asarray if mesh is None else (lambda x: put_batch(x, mesh))
         return {k: place(v) for k, v in batch.items() if v is not None}
 
     def held_out(step):
-        sums, n = None, 0
+        sums, n, steps = None, 0, 0
         for i, batch in enumerate(data.eval_batches(args.seq_len, args.batch_size, val_idx)):
             if i >= args.eval_batches:
                 break
-            m = jax.device_get(evaluate(params, base_params, to_device(batch)))
+            m = evaluate(params, base_params, to_device(batch))
+            steps = steps + losses.chain_steps(to_host(m.pop("hits")), batch["loss_mask"])
+            m = jax.device_get(m)
             sums = m if sums is None else jax.tree.map(np.add, sums, m)
             n += 1
         if not n:
             return {}
         m = jax.tree.map(lambda x: np.asarray(x) / n, sums)
-        return {"val_loss": float(m["loss"]), "val_top1": m["top1"].tolist(), "val_top5": m["top5"].tolist()}
+        return {"val_loss": float(m["loss"]), "val_top1": m["top1"].tolist(), "val_top5": m["top5"].tolist(),
+                "val_chain_tau": losses.tau_of(steps)}
 
     # One metrics file for the run, not one writer per process.
     record = MetricsLog(work / "metrics.jsonl").record if jax.process_index() == 0 else (lambda *a, **k: None)
@@ -214,7 +224,7 @@ def run(args) -> int:
             if ev:
                 record(done, **ev)
                 bar.write(f"step {done}: val_loss={ev['val_loss']:.4f} top1={[round(a, 3) for a in ev['val_top1']]} "
-                          f"top5={[round(a, 3) for a in ev['val_top5']]}")
+                          f"top5={[round(a, 3) for a in ev['val_top5']]} chain tau={ev['val_chain_tau']:.2f}")
         if done % args.ckpt_every == 0 or done == args.steps:
             save(done, ev if done % args.eval_every == 0 or done == args.steps else {})
         out_of_time = args.max_minutes and time.time() - t0 > args.max_minutes * 60
@@ -235,7 +245,8 @@ def run(args) -> int:
              "held_out": ev}
     save_heads(heads, base, args.out, extra=extra,
                token_counts=token_counts(data.tokens, data.loss_mask, base.cfg.vocab_size))
-    print(f"saved {args.method} heads to {args.out}" + (f": held-out top1 {ev['val_top1']}" if ev else ""))
+    summary = f": held-out top1 {ev['val_top1']}, chain tau {ev['val_chain_tau']:.2f}" if ev else ""
+    print(f"saved {args.method} heads to {args.out}{summary}")
     return 0
 
 
