@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from clover_jax.checkpoint import load_heads
 from clover_jax.convert import load_pretrained
@@ -39,13 +40,15 @@ def prompt_set_loss(model, tokenizer, count: int) -> float:
     """Mean next-token cross-entropy (nats/token) over the first `count` prompts of prompts.jsonl,
     each prompt scored on its own tokens. The MODEL_CARD figure is computed by this function."""
     lines = (REF / "prompts.jsonl").read_text(encoding="utf-8").splitlines()[:count]
+    prompts = [tokenizer.encode(json.loads(line)["prompt"]).ids for line in lines]
+    width = max(map(len, prompts))  # right padding: causal attention keeps it out of the real positions
+    tokens = jnp.asarray([ids + [0] * (width - len(ids)) for ids in prompts])
+    positions = jnp.broadcast_to(jnp.arange(width), tokens.shape)
+    forward = nnx.jit(lambda m, x: m(x, positions, causal_self_mask(*x.shape)).logits)
+    logp = np.asarray(jax.nn.log_softmax(forward(model, tokens)), np.float64)
     total, n = 0.0, 0
-    for line in lines:
-        ids = tokenizer.encode(json.loads(line)["prompt"]).ids
-        tokens = jnp.asarray([ids])
-        out = model(tokens, jnp.arange(len(ids))[None], causal_self_mask(1, len(ids)))
-        logp = np.asarray(jax.nn.log_softmax(out.logits[0, :-1]), np.float64)
-        total -= logp[np.arange(len(ids) - 1), ids[1:]].sum()
+    for row, ids in zip(logp, prompts):
+        total -= row[np.arange(len(ids) - 1), ids[1:]].sum()
         n += len(ids) - 1
     return total / n
 
