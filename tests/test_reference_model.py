@@ -36,14 +36,20 @@ def tokenizer():
     return corpus.load_tokenizer(REF)
 
 
+def right_padded(seqs: list[list[int]]) -> tuple[jax.Array, jax.Array]:
+    """(tokens, positions) [B, T] of sequences of any lengths in one batch, padded on the right: under a
+    causal mask the padding never reaches a real position."""
+    width = max(map(len, seqs))
+    tokens = jnp.asarray([s + [0] * (width - len(s)) for s in seqs], jnp.int32)
+    return tokens, jnp.broadcast_to(jnp.arange(width), tokens.shape)
+
+
 def prompt_set_loss(model, tokenizer, count: int) -> float:
     """Mean next-token cross-entropy (nats/token) over the first `count` prompts of prompts.jsonl,
     each prompt scored on its own tokens. The MODEL_CARD figure is computed by this function."""
     lines = (REF / "prompts.jsonl").read_text(encoding="utf-8").splitlines()[:count]
     prompts = [tokenizer.encode(json.loads(line)["prompt"]).ids for line in lines]
-    width = max(map(len, prompts))  # right padding: causal attention keeps it out of the real positions
-    tokens = jnp.asarray([ids + [0] * (width - len(ids)) for ids in prompts])
-    positions = jnp.broadcast_to(jnp.arange(width), tokens.shape)
+    tokens, positions = right_padded(prompts)
     forward = nnx.jit(lambda m, x: m(x, positions, causal_self_mask(*x.shape)).logits)
     logp = np.asarray(jax.nn.log_softmax(forward(model, tokens)), np.float64)
     total, n = 0.0, 0
@@ -128,15 +134,14 @@ def replayed_accept_hist(base, heads, seqs: list[list[int]], prompt_lens: list[i
     """[B, D+1] decoding steps of a chain through every head, replayed (`losses.replay_chain`) from
     training's teacher-forced drafts over the finished sequences (right-padded into one batch), for a
     generation of max_new tokens: the prefill writes the first, and steps run until there are max_new."""
-    depth, t_len = heads.num_heads, max(map(len, seqs))
-    tokens = jnp.asarray([s + [0] * (t_len - len(s)) for s in seqs], jnp.int32)
-    out = base(tokens, jnp.broadcast_to(jnp.arange(t_len), tokens.shape), causal_self_mask(len(seqs), t_len))
-    drafts = np.asarray(jnp.argmax(base.logits(heads.unroll(base, out.hidden, out.hidden_normed, tokens)), -1))
-    targets = np.stack([np.pad(np.asarray(tokens)[:, k + 2:], ((0, 0), (0, k + 2))) for k in range(depth)])
+    tokens, positions = right_padded(seqs)
+    out = base(tokens, positions, causal_self_mask(*tokens.shape))
+    logits = base.logits(heads.unroll(base, out.hidden, out.hidden_normed, tokens))
+    targets = jnp.stack([losses.shift_left(tokens, k + 2) for k in range(heads.num_heads)])
+    hits = np.asarray(losses.top1_hits(logits, targets, jnp.ones(targets.shape)))
     # A step at position t adds accepted + 1 tokens and moves t as far, so max_new is reached at
     # t = prompt_len - 1 + max_new - 1.
-    return np.stack([losses.replay_chain(drafts[:, b] == targets[:, b], n - 1, n + max_new - 2)
-                     for b, n in enumerate(prompt_lens)])
+    return np.stack([losses.replay_chain(hits[:, b], n - 1, n + max_new - 2) for b, n in enumerate(prompt_lens)])
 
 
 @pytest.mark.parametrize("method", ["medusa", "clover", "clover2"])
