@@ -80,6 +80,24 @@ def test_benchmark_bad_input_is_one_line(args, message, capsys):
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
 
 
+def test_output_paths_are_checked_before_anything_runs(tmp_path, capsys):
+    """--json, --plot and --profile get their folders made up front; a path that cannot be written is one
+    error line before the model is even loaded (--model points nowhere), not a failure after the run."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    nowhere = ["--model", str(tmp_path / "no-model")]
+    for args, message in ((["--json", str(blocker / "out.json")], f"--json: cannot create the folder {blocker}"),
+                          (["--plot", str(tmp_path)], f"--plot {tmp_path} is a folder; give a file path"),
+                          (["--profile", str(blocker)], f"--profile: cannot create the folder {blocker}")):
+        assert benchmark.main(nowhere + args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {message}"), err
+    out = tmp_path / "new" / "deeper"
+    assert benchmark.main(nowhere + ["--json", str(out / "r.json"), "--profile", str(tmp_path / "traces")]) == 2
+    assert "no-model" in capsys.readouterr().err  # the run stopped at the model, its folders made first
+    assert out.is_dir() and (tmp_path / "traces").is_dir()
+
+
 def test_benchmark_sampling_and_draft_vocabulary_rows(tmp_path):
     """--temperatures adds sampled rows (speculative sampling: tau >= 1, no token-equality claim), and
     --draft-vocab one row per vocabulary: auto is the shipped heads' 128 tokens when greedy and the whole
