@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import shlex
 import statistics
 import sys
@@ -227,22 +226,16 @@ def run_hf(path: Path, prompts: list[list[int]], batch_size: int, max_new: int, 
     return results
 
 
-def _make_output_folders(args: argparse.Namespace) -> None:
-    """Create the folders that --json, --plot and --profile write into before anything is loaded or timed,
-    so a bad path fails at once rather than after the whole run."""
-    files = [(flag, Path(out)) for flag, out in (("--json", args.json), ("--plot", args.plot)) if out]
-    for flag, out in files:
-        if out.is_dir():
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuse paths that --json, --plot and --profile could not write to before anything is timed, so a
+    bad path fails at once rather than after the whole run."""
+    for flag, out in (("--json", args.json), ("--plot", args.plot)):
+        if out and Path(out).is_dir():
             raise CloverError(f"{flag} {out} is a folder; give a file path")
-    folders = [(flag, out.parent) for flag, out in files]
-    folders += [("--profile", Path(args.profile))] if args.profile else []
-    for flag, folder in folders:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise CloverError(f"{flag}: cannot create the folder {folder} ({e.strerror}); pick a writable path") from e
-        if not os.access(folder, os.W_OK):
-            raise CloverError(f"{flag}: the folder {folder} is not writable; pick a writable path")
+        if out:
+            cli.check_output_dir(Path(out).parent, flag)
+    if args.profile:
+        cli.check_output_dir(args.profile, "--profile")
 
 
 def _benchmark(args: argparse.Namespace) -> int:
@@ -259,7 +252,6 @@ def _benchmark(args: argparse.Namespace) -> int:
     draft_vocabs = list(dict.fromkeys(str(parse_size(v)) for v in args.draft_vocab.split(",") if v.strip())) or ["auto"]
     configs = [(m, t, None if m == "plain" else dv) for m, t in _configs(args.tree, methods)
                for dv in ([None] if m == "plain" else draft_vocabs)]
-    _make_output_folders(args)
     path = cli.model_dir(args.model)
     cfg = ModelConfig.from_pretrained(path)
     tokenizer = cli.load_tokenizer(path)
@@ -272,6 +264,7 @@ def _benchmark(args: argparse.Namespace) -> int:
     _, model = load_pretrained(path, dtype=DTYPES[args.dtype], mesh=mesh)
     heads_root = Path(args.heads_root) if args.heads_root else path / "heads"
 
+    _check_outputs(args)
     bandwidth = BandwidthProbe().median()
     per_size = {b: -(-len(prompts) // b) * (args.repeats + 1) for b in sizes}  # batches per method and size
     hf_passes = sum(n * (2 if b == 1 else 1) for b, n in per_size.items()) if args.hf else 0

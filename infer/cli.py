@@ -1,4 +1,5 @@
-"""What the command-line tools share: the default model, prompt files, tokenizing, EOS ids, exit codes.
+"""What the command-line tools share: the default model, prompt files, tokenizing, EOS ids, output
+folders, exit codes.
 
 `infer.generate` and the benchmark read the same prompt files and turn text into ids the same way, so
 both live here. Everything a user can get wrong becomes a `CloverError`; `run_main` turns it into one
@@ -131,6 +132,19 @@ def eos_ids(path: Path, cfg: ModelConfig, tokenizer) -> tuple[int, ...]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return tuple(sorted(int(i) for i in ids))
+
+
+def check_output_dir(path: str | Path, flag: str) -> Path:
+    """Refuse, in one line, a folder that a tool could not create or write into, at the start of its run
+    rather than at the end of hours of work; nothing is created, so a run that fails later leaves no
+    empty folder behind."""
+    out = Path(path).absolute()
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir():
+        raise CloverError(f"{flag}: cannot create the folder {path}: {existing} is a file; pick another path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise CloverError(f"{flag}: cannot write into {existing}; pick a writable path")
+    return Path(path)
 
 
 def run_main(body: Callable[[], int]) -> int:

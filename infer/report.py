@@ -195,6 +195,7 @@ def plot(rows: list[Row], out: str, shape: dict | None = None) -> None:
     if curves:  # beside the panel: with many rows a legend inside would hide the curves
         axes[-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1), ncol=1 + len(curves) // 16)
     fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(out).with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=110, bbox_inches="tight")
     os.replace(tmp, out)
@@ -203,6 +204,7 @@ def plot(rows: list[Row], out: str, shape: dict | None = None) -> None:
 
 def write_json(result: dict, out: str) -> None:
     """Written whole or not at all: a killed run leaves no truncated file."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(out).with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     os.replace(tmp, out)

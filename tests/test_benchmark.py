@@ -1,6 +1,7 @@
 """Smoke test of `python -m infer.benchmark` on the shipped reference model with tiny settings: it runs
 every mode (engine, transformers peer, --shape), its JSON has the documented fields, and nothing is timed."""
 
+import argparse
 import json
 import math
 
@@ -81,21 +82,21 @@ def test_benchmark_bad_input_is_one_line(args, message, capsys):
 
 
 def test_output_paths_are_checked_before_anything_runs(tmp_path, capsys):
-    """--json, --plot and --profile get their folders made up front; a path that cannot be written is one
-    error line before the model is even loaded (--model points nowhere), not a failure after the run."""
+    """A path that --json, --plot or --profile could not write to is one error line before anything is
+    timed, not a failure after the whole run; a folder still to be made is made when written."""
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    nowhere = ["--model", str(tmp_path / "no-model")]
-    for args, message in ((["--json", str(blocker / "out.json")], f"--json: cannot create the folder {blocker}"),
+    for args, message in ((["--json", str(blocker / "out.json")], f"--json: cannot create the folder {blocker}: "),
                           (["--plot", str(tmp_path)], f"--plot {tmp_path} is a folder; give a file path"),
-                          (["--profile", str(blocker)], f"--profile: cannot create the folder {blocker}")):
-        assert benchmark.main(nowhere + args) == 2
+                          (["--profile", str(blocker / "traces")], f"--profile: cannot create the folder {blocker}")):
+        assert benchmark.main(["--num-prompts", "1", *args]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"error: {message}"), err
-    out = tmp_path / "new" / "deeper"
-    assert benchmark.main(nowhere + ["--json", str(out / "r.json"), "--profile", str(tmp_path / "traces")]) == 2
-    assert "no-model" in capsys.readouterr().err  # the run stopped at the model, its folders made first
-    assert out.is_dir() and (tmp_path / "traces").is_dir()
+    out = tmp_path / "new" / "deeper" / "r.json"
+    benchmark._check_outputs(argparse.Namespace(json=str(out), plot=None, profile=str(tmp_path / "traces")))
+    assert not (tmp_path / "new").exists() and not (tmp_path / "traces").exists()  # checked, not made
+    report.write_json({"results": []}, str(out))
+    assert json.loads(out.read_text()) == {"results": []}
 
 
 def test_benchmark_sampling_and_draft_vocabulary_rows(tmp_path):

@@ -238,7 +238,7 @@ def test_damaged_dataset_is_refused(case, fixed_dir, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["empty file", "no response", "prompt too long", "max-len over context",
-                                  "ids over vocab", "foreign out"])
+                                  "ids over vocab", "foreign out", "out is a file"])
 def test_bad_input_is_one_error_line(case, model_dir, prompts_file, hf_tok, tmp_path, capsys):
     out = tmp_path / "out"
     args = ["--base", model_dir, "--out", out]
@@ -260,14 +260,19 @@ def test_bad_input_is_one_error_line(case, model_dir, prompts_file, hf_tok, tmp_
             (small / name).write_bytes((model_dir / name).read_bytes())
         save_tiny_llama(small, 258)  # the tokenizer's merges have ids >= 258
         argv, needle = ["--base", small, "--out", out, "--prompts", prompts_file], "outside the model's vocabulary"
-    else:
+    elif case == "foreign out":
         out.mkdir()
         (out / "notes.txt").write_text("mine")
         argv, needle = args + ["--prompts", prompts_file], "notes.txt, which is not part of a dataset"
+    else:
+        out.write_text("mine")
+        argv, needle = args + ["--prompts", prompts_file], f"--out: cannot create the folder {out}: {out} is a file"
     code, stdout, err = run(capsys, *argv)
     assert code == 2 and stdout == ""
     assert err.count("\n") == 1 and err.startswith("error: ") and needle in err, err
-    if case != "foreign out":
+    if case == "out is a file":
+        assert out.read_text() == "mine"
+    elif case != "foreign out":
         assert not (out / "meta.json").exists()
 
 

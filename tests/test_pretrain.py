@@ -42,3 +42,15 @@ def test_loss_falls_and_resume_is_exact(tmp_path, data_dir):
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
     for f in ("config.json", "tokenizer.json", "generation_config.json", "split.json"):
         assert (resumed / "model" / f).is_file()
+
+
+def test_an_output_path_that_cannot_be_made_is_refused_before_any_work(tmp_path, capsys):
+    """The export is written after the whole run: an --out under a file is one error line at the start."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    code = pretrain.main(TINY + ["--out", str(blocker / "model"), "--work-dir", str(tmp_path / "run"),
+                                 "--data-dir", str(tmp_path / "data")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0] == f"error: --out: cannot create the folder {blocker / 'model'}: {blocker} is a file; pick another path"
+    assert not (tmp_path / "run").exists() and not (tmp_path / "data").exists()

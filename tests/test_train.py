@@ -391,7 +391,7 @@ def other_base(tok, tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["missing dir", "empty dir", "foreign meta", "other base", "seq-len too long",
-                                  "zero steps"])
+                                  "zero steps", "out under a file"])
 def test_bad_input_is_one_error_line_and_exit_2(case, model_dir, other_base, datasets, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     (tmp_path / "foreign").mkdir()
@@ -400,7 +400,10 @@ def test_bad_input_is_one_error_line_and_exit_2(case, model_dir, other_base, dat
     needle = {"missing dir": "no such dataset directory", "empty dir": "no meta.json",
               "foreign meta": "not a meta.json written by train.make_data",
               "other base": "made with another base model", "seq-len too long": "exceeds the base model's context",
-              "zero steps": "--steps must be >= 1"}[case]
+              "zero steps": "--steps must be >= 1",
+              "out under a file": f"--out: cannot create the folder {tmp_path / 'a-file' / 'heads'}: "
+                                  f"{tmp_path / 'a-file'} is a file"}[case]
+    out = tmp_path / "out"
     if case == "missing dir":
         data = tmp_path / "nope"
     elif case == "empty dir":
@@ -411,9 +414,12 @@ def test_bad_input_is_one_error_line_and_exit_2(case, model_dir, other_base, dat
         base = other_base
     elif case == "seq-len too long":
         extra = ["--seq-len", 65]
-    else:
+    elif case == "zero steps":
         extra = ["--steps", 0]
-    code, stdout, err = _train(capsys, base, data, tmp_path / "out", tmp_path / "work", "clover", *extra)
+    else:
+        (tmp_path / "a-file").write_text("")
+        out = tmp_path / "a-file" / "heads"  # refused before any training, not when the heads are saved
+    code, stdout, err = _train(capsys, base, data, out, tmp_path / "work", "clover", *extra)
     assert (code, stdout) == (2, ""), err
     assert err.startswith("error: ") and err.count("\n") == 1, err
     assert needle in err, err

@@ -147,6 +147,7 @@ def write_hidden(model: Llama, tokens: np.ndarray, offsets: np.ndarray, out: np.
 def _prepare_out(out: Path) -> None:
     """Make `out` ready for a new dataset: refuse a directory holding anything else, and remove an
     old dataset's meta.json first, so an interrupted run never leaves old and new files looking whole."""
+    cli.check_output_dir(out, "--out")
     out.mkdir(parents=True, exist_ok=True)
     ours = (META,) + FILES + tuple(name + ".tmp" for name in (META,) + FILES)  # meta.json goes first
     foreign = sorted(p.name for p in out.iterdir() if p.name not in ours)

@@ -110,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args) -> int:
+    cli.check_output_dir(args.out, "--out")  # written only at the export: a bad path must not wait for the training
     work = Path(args.work_dir).resolve()
+    cli.check_output_dir(work, "--work-dir")
     work.mkdir(parents=True, exist_ok=True)
     tok_dir = work / "tokenizer"
     files = corpus.split_files(corpus.list_files())

@@ -150,6 +150,7 @@ def run(args) -> int:
     optimizer = make_optimizer(args)
     opt_state = jax.jit(optimizer.init)(params)  # moments placed like the parameters they follow
 
+    cli.check_output_dir(args.out, "--out")  # written only at the end: a bad path must not wait for the training
     work = Path(args.work_dir or Path(args.out).parent / f"run-{args.method}").resolve()
     last = ocp.CheckpointManager(work / "checkpoints", options=ocp.CheckpointManagerOptions(max_to_keep=args.keep))
     best = ocp.CheckpointManager(work / "best", options=ocp.CheckpointManagerOptions(
