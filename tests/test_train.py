@@ -391,7 +391,7 @@ def other_base(tok, tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["missing dir", "empty dir", "foreign meta", "other base", "seq-len too long",
-                                  "zero steps", "out under a file"])
+                                  "zero steps", "out under a file", "work dir under a file"])
 def test_bad_input_is_one_error_line_and_exit_2(case, model_dir, other_base, datasets, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     (tmp_path / "foreign").mkdir()
@@ -402,8 +402,10 @@ def test_bad_input_is_one_error_line_and_exit_2(case, model_dir, other_base, dat
               "other base": "made with another base model", "seq-len too long": "exceeds the base model's context",
               "zero steps": "--steps must be >= 1",
               "out under a file": f"--out: cannot create the folder {tmp_path / 'a-file' / 'heads'}: "
-                                  f"{tmp_path / 'a-file'} is a file"}[case]
-    out = tmp_path / "out"
+                                  f"{tmp_path / 'a-file'} is a file",
+              "work dir under a file": f"--work-dir: cannot create the folder {tmp_path / 'a-file' / 'work'}: "
+                                       f"{tmp_path / 'a-file'} is a file"}[case]
+    out, work = tmp_path / "out", tmp_path / "work"
     if case == "missing dir":
         data = tmp_path / "nope"
     elif case == "empty dir":
@@ -416,10 +418,13 @@ def test_bad_input_is_one_error_line_and_exit_2(case, model_dir, other_base, dat
         extra = ["--seq-len", 65]
     elif case == "zero steps":
         extra = ["--steps", 0]
-    else:
+    elif case == "out under a file":
         (tmp_path / "a-file").write_text("")
         out = tmp_path / "a-file" / "heads"  # refused before any training, not when the heads are saved
-    code, stdout, err = _train(capsys, base, data, out, tmp_path / "work", "clover", *extra)
+    else:
+        (tmp_path / "a-file").write_text("")
+        work = tmp_path / "a-file" / "work"
+    code, stdout, err = _train(capsys, base, data, out, work, "clover", *extra)
     assert (code, stdout) == (2, ""), err
     assert err.startswith("error: ") and err.count("\n") == 1, err
     assert needle in err, err

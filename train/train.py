@@ -152,6 +152,7 @@ def run(args) -> int:
 
     cli.check_output_dir(args.out, "--out")  # written only at the end: a bad path must not wait for the training
     work = Path(args.work_dir or Path(args.out).parent / f"run-{args.method}").resolve()
+    cli.check_output_dir(work, "--work-dir")
     last = ocp.CheckpointManager(work / "checkpoints", options=ocp.CheckpointManagerOptions(max_to_keep=args.keep))
     best = ocp.CheckpointManager(work / "best", options=ocp.CheckpointManagerOptions(
         max_to_keep=1, best_fn=lambda m: m["val_loss"], best_mode="min"))
