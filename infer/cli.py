@@ -134,7 +134,7 @@ def eos_ids(path: Path, cfg: ModelConfig, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(int(i) for i in ids))
 
 
-def check_output_dir(path: str | Path, flag: str) -> Path:
+def check_output_dir(path: str | Path, flag: str) -> None:
     """Refuse, in one line, a folder that a tool could not create or write into, at the start of its run
     rather than at the end of hours of work; nothing is created, so a run that fails later leaves no
     empty folder behind."""
@@ -144,7 +144,6 @@ def check_output_dir(path: str | Path, flag: str) -> Path:
         raise CloverError(f"{flag}: cannot create the folder {path}: {existing} is a file; pick another path")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise CloverError(f"{flag}: cannot write into {existing}; pick a writable path")
-    return Path(path)
 
 
 def run_main(body: Callable[[], int]) -> int:
