@@ -230,10 +230,11 @@ def _check_outputs(args: argparse.Namespace) -> None:
     """Refuse paths that --json, --plot and --profile could not write to before anything is timed, so a
     bad path fails at once rather than after the whole run."""
     for flag, out in (("--json", args.json), ("--plot", args.plot)):
-        if out and Path(out).is_dir():
+        if not out:
+            continue
+        if Path(out).is_dir():
             raise CloverError(f"{flag} {out} is a folder; give a file path")
-        if out:
-            cli.check_output_dir(Path(out).parent, flag)
+        cli.check_output_dir(Path(out).parent, flag)
     if args.profile:
         cli.check_output_dir(args.profile, "--profile")
 

@@ -129,6 +129,10 @@ def run(args) -> int:
     for name in ("steps", "batch_size", "seq_len", "eval_every", "ckpt_every", "keep"):
         if getattr(args, name) < 1:
             raise CloverError(f"--{name.replace('_', '-')} must be >= 1")
+    # Checked before the base model loads; written only at the end, so a bad path must not wait for the training.
+    cli.check_output_dir(args.out, "--out")
+    work = Path(args.work_dir or Path(args.out).parent / f"run-{args.method}").resolve()
+    cli.check_output_dir(work, "--work-dir")
     dtype = DTYPES[args.dtype]
     mesh = cli.mesh_of(args)
     _, base = load_pretrained(args.base, dtype=dtype, mesh=mesh)
@@ -150,9 +154,6 @@ def run(args) -> int:
     optimizer = make_optimizer(args)
     opt_state = jax.jit(optimizer.init)(params)  # moments placed like the parameters they follow
 
-    cli.check_output_dir(args.out, "--out")  # written only at the end: a bad path must not wait for the training
-    work = Path(args.work_dir or Path(args.out).parent / f"run-{args.method}").resolve()
-    cli.check_output_dir(work, "--work-dir")
     last = ocp.CheckpointManager(work / "checkpoints", options=ocp.CheckpointManagerOptions(max_to_keep=args.keep))
     best = ocp.CheckpointManager(work / "best", options=ocp.CheckpointManagerOptions(
         max_to_keep=1, best_fn=lambda m: m["val_loss"], best_mode="min"))
