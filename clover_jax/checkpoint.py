@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import jax
@@ -23,6 +22,7 @@ from safetensors.numpy import load_file
 from clover_jax.convert import write_safetensors
 from clover_jax.draft_vocab import DraftVocab, resolve_size
 from clover_jax.errors import CloverError
+from clover_jax.files import write_text
 from clover_jax.heads import Heads, HeadsConfig, make_heads
 from clover_jax.layers import from_stored, stored_parts, to_stored
 from clover_jax.model import Llama
@@ -66,9 +66,7 @@ def save_heads(heads: Heads, base: Llama, out_dir: str | Path, extra: dict | Non
     meta = {"heads": dataclasses.asdict(heads.hcfg), "base_fingerprint": base_fingerprint(base),
             "base_model_type": base.cfg.model_type, "base_hidden_size": base.cfg.hidden_size,
             "base_vocab_size": base.cfg.vocab_size, **(extra or {})}
-    tmp = out / (CONFIG + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=2) + "\n")
-    os.replace(tmp, out / CONFIG)
+    write_text(out / CONFIG, json.dumps(meta, indent=2) + "\n")
     return out
 
 

@@ -23,6 +23,7 @@ from safetensors.numpy import save_file
 
 from clover_jax.config import ModelConfig
 from clover_jax.errors import CloverError
+from clover_jax.files import atomic_path, write_text
 from clover_jax.layers import fuse_qkv, stored_parts, to_stored
 from clover_jax.model import Llama
 from clover_jax.sharding import param_sharding
@@ -154,20 +155,15 @@ def _read_qkv(tensors: list, index: tuple, shape: tuple[int, ...], transpose: bo
     return fused[(..., index[-2], index[-1])]
 
 
-def _atomic_replace(tmp: Path, final: Path) -> None:
-    os.replace(tmp, final)
-
-
 def write_safetensors(tensors: dict[str, np.ndarray], path: Path, metadata: dict | None = None) -> None:
     """Write a safetensors file atomically (a temporary name, renamed into place), readable as any new
     file is: safetensors creates its files owner-only (0600), which would hide exported weights from
     the other users of a shared machine."""
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    _atomic_replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
 
 
 def save_pretrained(model: Llama, out_dir: str | Path, dtype=jnp.bfloat16,
@@ -199,13 +195,7 @@ def save_pretrained(model: Llama, out_dir: str | Path, dtype=jnp.bfloat16,
     if len(shards) > 1:
         index = {"metadata": {"total_size": int(sum(t.nbytes for t in tensors.values()))},
                  "weight_map": {n: f for f, s in zip(names, shards) for n in s}}
-        _write_text(out / "model.safetensors.index.json", json.dumps(index, indent=2))
+        write_text(out / "model.safetensors.index.json", json.dumps(index, indent=2))
     hf = model.cfg.to_hf_dict()
     hf["torch_dtype"] = jnp.dtype(dtype).name
-    _write_text(out / "config.json", json.dumps(hf, indent=2))
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    _atomic_replace(tmp, path)
+    write_text(out / "config.json", json.dumps(hf, indent=2))

@@ -12,6 +12,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from clover_jax.errors import CloverError
+from clover_jax.files import atomic_path, write_text
+
 
 @dataclasses.dataclass
 class Row:
@@ -196,15 +199,23 @@ def plot(rows: list[Row], out: str, shape: dict | None = None) -> None:
         axes[-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1), ncol=1 + len(curves) // 16)
     fig.tight_layout()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(out).with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
-    os.replace(tmp, out)
+    with atomic_path(out) as tmp:  # the format from out's own suffix: the temporary's is .tmp
+        fig.savefig(tmp, dpi=110, bbox_inches="tight", format=Path(out).suffix[1:].lower() or "png")
     plt.close(fig)
+
+
+def check_plot_format(out: str) -> None:
+    """Refuse a --plot suffix matplotlib cannot write (no suffix means PNG)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    suffix = Path(out).suffix[1:].lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        raise CloverError(f"--plot {out}: cannot write a .{suffix} image; end the name in one of "
+                          f"{', '.join('.' + f for f in sorted(formats))}")
 
 
 def write_json(result: dict, out: str) -> None:
     """Written whole or not at all: a killed run leaves no truncated file."""
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(out).with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, out)
+    write_text(out, json.dumps(result, indent=2) + "\n")

@@ -88,6 +88,7 @@ def test_output_paths_are_checked_before_anything_runs(tmp_path, capsys):
     blocker.write_text("")
     for args, message in ((["--json", str(blocker / "out.json")], f"--json: cannot create the folder {blocker}: "),
                           (["--plot", str(tmp_path)], f"--plot {tmp_path} is a folder; give a file path"),
+                          (["--plot", str(tmp_path / "p.pngg")], f"--plot {tmp_path / 'p.pngg'}: cannot write a .pngg image; "),
                           (["--profile", str(blocker / "traces")], f"--profile: cannot create the folder {blocker}")):
         assert benchmark.main(["--num-prompts", "1", *args]) == 2
         err = capsys.readouterr().err.strip().splitlines()

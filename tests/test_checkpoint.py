@@ -15,6 +15,7 @@ from clover_jax.checkpoint import WEIGHTS, base_fingerprint, load_heads, save_he
 from clover_jax.config import ModelConfig
 from clover_jax.convert import save_pretrained
 from clover_jax.errors import CloverError
+from clover_jax.files import atomic_path, write_text
 from clover_jax.heads import HeadsConfig, make_heads
 from clover_jax.model import Llama
 
@@ -104,3 +105,19 @@ def test_damaged_heads_directory_is_one_clear_line(damage, message, base, tmp_pa
     with pytest.raises(CloverError, match=message) as err:
         load_heads(tmp_path, base)
     _one_line(err)
+
+
+def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
+    """files.atomic_path: the file is replaced only by a write that finished; one that raised (an error, a
+    Ctrl-C) leaves what was there, and no NAME.tmp beside it."""
+    path = tmp_path / "meta.json"
+    write_text(path, "old\n")
+    for interrupt in (OSError("disk full"), KeyboardInterrupt()):
+        with pytest.raises(type(interrupt)), atomic_path(path) as tmp:
+            tmp.write_text("half")
+            raise interrupt
+        assert path.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["meta.json"]
+    with atomic_path(path) as tmp:
+        assert tmp.parent == tmp_path and path.read_text() == "old\n"
+        tmp.write_text("new\n")
+    assert path.read_text() == "new\n" and sorted(p.name for p in tmp_path.iterdir()) == ["meta.json"]

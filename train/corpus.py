@@ -21,6 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from clover_jax.errors import CloverError
+from clover_jax.files import atomic_path, write_text
 
 SPLITS = ("train", "validation", "test")
 MAX_FILE_BYTES = 300_000  # a few generated tables (pydoc_data/topics.py) would dominate the corpus
@@ -95,7 +96,7 @@ def write_split(out_dir: str | os.PathLike) -> pathlib.Path:
     out.mkdir(parents=True, exist_ok=True)
     record = {"stdlib": str(stdlib_root()), "python": sys.version.split()[0], **split_files(list_files())}
     path = out / "split.json"
-    path.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    write_text(path, json.dumps(record, indent=1) + "\n")
     return path
 
 
@@ -173,7 +174,6 @@ def load_or_encode(data_dir: str | os.PathLike, tokenizer_json: str | os.PathLik
         return np.load(cache, allow_pickle=False)
     tokens = encode_split(tok, files, eos_id)
     cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(".tmp.npy")
-    np.save(tmp, tokens, allow_pickle=False)
-    os.replace(tmp, cache)  # atomic: a killed run never leaves a truncated cache behind
+    with atomic_path(cache) as tmp, open(tmp, "wb") as f:  # a killed run leaves no truncated cache
+        np.save(f, tokens, allow_pickle=False)
     return tokens

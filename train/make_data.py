@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -44,6 +43,7 @@ from clover_jax.config import ModelConfig
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import BUCKETS, Generator, bucket_for, to_host
 from clover_jax.errors import CloverError
+from clover_jax.files import atomic_path, temporary_name, write_text
 from clover_jax.model import Llama, causal_self_mask
 from clover_jax.sampling import SamplingConfig
 from clover_jax.sharding import make_mesh, put_batch
@@ -149,7 +149,7 @@ def _prepare_out(out: Path) -> None:
     old dataset's meta.json first, so an interrupted run never leaves old and new files looking whole."""
     cli.check_output_dir(out, "--out")
     out.mkdir(parents=True, exist_ok=True)
-    ours = (META,) + FILES + tuple(name + ".tmp" for name in (META,) + FILES)  # meta.json goes first
+    ours = (META,) + FILES + tuple(temporary_name(name).name for name in (META,) + FILES)  # meta.json goes first
     foreign = sorted(p.name for p in out.iterdir() if p.name not in ours)
     if foreign:
         raise CloverError(f"{out}: holds {foreign[0]}, which is not part of a dataset; choose an empty or "
@@ -159,10 +159,8 @@ def _prepare_out(out: Path) -> None:
 
 
 def _save_npy(path: Path, array: np.ndarray) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:  # a file object: np.save would add .npy to a name
         np.save(f, array)
-    os.replace(tmp, path)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -262,13 +260,12 @@ def make_data(args: argparse.Namespace) -> int:
     offsets = np.concatenate([[0], np.cumsum([len(p) + len(r) for p, r in examples])]).astype(np.int64)
     hidden_dtype = None if args.store_hidden == "none" else args.store_hidden
     if hidden_dtype:
-        tmp = out / "hidden.npy.tmp"
-        hidden = np.lib.format.open_memmap(tmp, mode="w+", dtype=HIDDEN_DTYPES[hidden_dtype],
-                                           shape=(len(tokens), cfg.hidden_size))
-        write_hidden(model, tokens, offsets, hidden, args.batch_size, max_len, mesh)
-        hidden.flush()
-        del hidden
-        os.replace(tmp, out / "hidden.npy")
+        with atomic_path(out / "hidden.npy") as tmp:
+            hidden = np.lib.format.open_memmap(tmp, mode="w+", dtype=HIDDEN_DTYPES[hidden_dtype],
+                                               shape=(len(tokens), cfg.hidden_size))
+            write_hidden(model, tokens, offsets, hidden, args.batch_size, max_len, mesh)
+            hidden.flush()
+            del hidden
     _save_npy(out / "tokens.npy", tokens)
     _save_npy(out / "offsets.npy", offsets)
     _save_npy(out / "loss_mask.npy", mask)
@@ -278,9 +275,7 @@ def make_data(args: argparse.Namespace) -> int:
             "hidden_dtype": hidden_dtype, "prompts_file": str(args.prompts), "created_by": "train.make_data",
             "chat": args.chat, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature, "seed": args.seed}
-    tmp = out / (META + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=2) + "\n")
-    os.replace(tmp, out / META)
+    write_text(out / META, json.dumps(meta, indent=2) + "\n")
     print(f"wrote {len(examples)} examples ({len(tokens)} tokens, {meta['num_response_tokens']} in responses) "
           f"to {out}")
     return 0

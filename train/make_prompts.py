@@ -23,6 +23,7 @@ import sys
 from tqdm import tqdm
 
 from clover_jax.errors import CloverError
+from clover_jax.files import write_text
 from train import corpus
 
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
@@ -127,9 +128,7 @@ def write_jsonl(prompts: list[dict], out) -> pathlib.Path:
     """One JSON object per line, UTF-8 kept as is (not \\u-escaped) so the file reads like the source."""
     path = pathlib.Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as f:
-        for p in prompts:
-            f.write(json.dumps(p, ensure_ascii=False) + "\n")
+    write_text(path, "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in prompts))
     return path
 
 

@@ -28,8 +28,9 @@ from tqdm import tqdm
 
 from clover_jax.config import ModelConfig
 from clover_jax.convert import save_pretrained
-from infer import cli
+from clover_jax.files import copy_file, write_text
 from clover_jax.model import Llama, causal_self_mask
+from infer import cli
 from train import corpus
 from train.runs import MetricsLog, pin_run, restore_latest
 from train.tokenizer import EOS_TOKEN, save_tokenizer, train_tokenizer
@@ -197,14 +198,14 @@ def export(model: Llama, tok_dir: Path, out: Path, step: int, final: dict, args)
     out.mkdir(parents=True, exist_ok=True)
     save_pretrained(model, out, dtype=jnp.bfloat16)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "split.json"):
-        (out / name).write_bytes((tok_dir / name).read_bytes())
+        copy_file(tok_dir / name, out / name)
     eos = model.cfg.eos_token_ids[0]
     gen = {"bos_token_id": model.cfg.bos_token_id, "eos_token_id": eos, "pad_token_id": eos,
            "do_sample": False, "max_new_tokens": 128}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    write_text(out / "generation_config.json", json.dumps(gen, indent=2) + "\n")
     summary = {"step": step, **final, "params": model.cfg.num_params,
                "args": {k: v for k, v in vars(args).items() if k not in ("export_only",)}}
-    (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_text(out / "train_summary.json", json.dumps(summary, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from pathlib import Path
 import orbax.checkpoint as ocp
 
 from clover_jax.errors import CloverError
+from clover_jax.files import write_text
 
 RUN_FILE = "run.json"
 
@@ -29,7 +30,7 @@ def pin_run(work: Path, fields: dict) -> None:
                                   "resume with the same settings or use another work directory")
         return
     work.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(fields, indent=2) + "\n")
+    write_text(path, json.dumps(fields, indent=2) + "\n")
 
 
 def restore_latest(manager: ocp.CheckpointManager, state: dict) -> tuple[int, dict]:

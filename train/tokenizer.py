@@ -26,6 +26,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from tqdm import tqdm
 
 from clover_jax.errors import CloverError
+from clover_jax.files import atomic_path, write_text
 from train import corpus
 
 EOS_TOKEN = corpus.EOS_TOKEN
@@ -73,7 +74,8 @@ def save_tokenizer(tok: Tokenizer, out_dir, model_max_length: int = MODEL_MAX_LE
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into `out_dir`."""
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / "tokenizer.json"))
+    with atomic_path(out / "tokenizer.json") as tmp:
+        tok.save(str(tmp))
     special = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -85,8 +87,8 @@ def save_tokenizer(tok: Tokenizer, out_dir, model_max_length: int = MODEL_MAX_LE
         "clean_up_tokenization_spaces": False,
         "chat_template": CHAT_TEMPLATE,
     }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n", encoding="utf-8")
+    write_text(out / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
+    write_text(out / "special_tokens_map.json", json.dumps(special, indent=2) + "\n")
     return out
 
 
