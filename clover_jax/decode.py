@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import io_callback
 
 from clover_jax.cache import KVCache, causal_mask
 from clover_jax.errors import CloverError
@@ -77,8 +78,17 @@ def start_plain(model: Llama, prompts, prompt_lens, budgets, keys, *, sampling: 
     return state.record(sample(logits, step_keys(keys, 0), sampling), budgets, eos_ids)
 
 
+def stream_tokens(stream: Callable | None, state):
+    """Hand the tokens so far ([B, M] and their counts [B]) to the host callback `stream`, if any, at the
+    end of a step: `Generator.generate(on_tokens=...)` shows text as it is written this way."""
+    if stream is not None:
+        io_callback(stream, None, state.tokens, state.num_new, ordered=True)
+    return state
+
+
 def continue_plain(model: Llama, state: DecodeState, budgets, *, sampling: SamplingConfig,
-                   eos_ids: tuple[int, ...], max_new: int, cache_len: int) -> DecodeState:
+                   eos_ids: tuple[int, ...], max_new: int, cache_len: int,
+                   stream: Callable | None = None) -> DecodeState:
     """The decoding steps after `start_plain`: one token per sequence per step until all are done."""
 
     def cond(s: DecodeState):
@@ -91,16 +101,17 @@ def continue_plain(model: Llama, state: DecodeState, budgets, *, sampling: Sampl
         step = s.step + 1
         s = s.replace(cache=out.cache.advance(~s.done), step=step,
                       finite=s.finite & (jnp.isfinite(logits).all(-1) | s.done))
-        return s.record(sample(logits, step_keys(s.keys, step), sampling), budgets, eos_ids)
+        return stream_tokens(stream, s.record(sample(logits, step_keys(s.keys, step), sampling), budgets, eos_ids))
 
     return jax.lax.while_loop(cond, body, state)
 
 
-def generate_plain(graphdef, params, prompts, prompt_lens, budgets, keys, *, mesh=None, **static) -> DecodeState:
+def generate_plain(graphdef, params, prompts, prompt_lens, budgets, keys, *, mesh=None, stream=None,
+                   **static) -> DecodeState:
     """The whole plain generation as one pure function (jit it with the keyword args static)."""
     model = nnx.merge(graphdef, params)
     state = start_plain(model, prompts, prompt_lens, budgets, keys, mesh=mesh, **static)
-    return continue_plain(model, state, budgets, **static)
+    return continue_plain(model, state, budgets, stream=stream, **static)
 
 
 @dataclasses.dataclass
@@ -165,6 +176,8 @@ class Generator:
         self.buckets = tuple(b for b in buckets if b < self.max_len) + (self.max_len,)
         self._compiled: dict = {}
         self.compilations = 0
+        self._listener: Callable | None = None  # generate's on_tokens, while its timed run lasts
+        self._listener_error: BaseException | None = None
 
     # What a subclass changes.
     def _program(self) -> Callable:
@@ -212,6 +225,17 @@ class Generator:
         args = (self.params, *map(place, (padded, lens, budget, keys)))
         return args, static
 
+    def _emit(self, tokens, num_new) -> None:
+        """The programs' host callback (`stream_tokens`): passes the tokens on to `on_tokens` during a timed
+        run (the set-up run streams to nobody). An error there is kept and raised after the run, as an
+        exception cannot cross the device boundary intact."""
+        if self._listener is None or self._listener_error is not None:
+            return
+        try:
+            self._listener(np.asarray(tokens), np.asarray(num_new))
+        except BaseException as e:  # noqa: BLE001 - re-raised by generate
+            self._listener_error = e
+
     def compiled_hlo(self) -> str:
         """The optimized HLO text of every program compiled so far: what a profile's operations name."""
         return "\n".join(c.as_text() for c in self._compiled.values())
@@ -219,13 +243,21 @@ class Generator:
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
                  eos_ids: Sequence[int] | None = None,
-                 budgets: Sequence[int] | None = None) -> GenerationOutput:
+                 budgets: Sequence[int] | None = None,
+                 on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None) -> GenerationOutput:
         """Generate up to `max_new_tokens` per prompt (token ids), all prompts in one batch.
 
         `budgets` caps each prompt's new tokens on its own; `eos_ids` defaults to the model config's
         (pass `()` to never stop early); `seed` seeds per-sequence keys when `sampling` samples.
+        `on_tokens(tokens [B, M], counts [B])`, when given, is called on this host after every decoding
+        step with each sequence's new tokens so far (`tokens[i, :counts[i]]`), to show text as it is
+        written; it costs a device-to-host copy per step and a program of its own, on one device only.
         Compiles on the first call with a new batch size, bucket or static setting."""
         args, static = self.prepare(prompts, max_new_tokens, sampling, seed, eos_ids, budgets)
+        if on_tokens is not None:
+            if self.mesh is not None:
+                raise CloverError("streaming (on_tokens, --stream) runs on one device; drop the mesh")
+            static["stream"] = self._emit
         b = len(prompts)
         key = (b, args[1].shape[1], tuple(sorted(static.items(), key=lambda kv: kv[0])))
         compile_s = 0.0
@@ -243,9 +275,16 @@ class Generator:
             compile_s = time.perf_counter() - t0
             self.compilations += 1
         t0 = time.perf_counter()
-        state = self._compiled[key](*args)
-        state = jax.block_until_ready(state)
+        self._listener, self._listener_error = on_tokens, None
+        try:
+            state = jax.block_until_ready(self._compiled[key](*args))
+            if on_tokens is not None:
+                jax.effects_barrier()  # every step's callback has run
+        finally:
+            self._listener = None
         run_s = time.perf_counter() - t0
+        if self._listener_error is not None:
+            raise self._listener_error
         if not bool(np.all(to_host(state.finite))):
             raise CloverError("the model produced non-finite logits (NaN/Inf); check the weights, or try --dtype float32")
         num = to_host(state.num_new)

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from clover_jax.cache import KVCache, causal_mask, tree_mask
-from clover_jax.decode import Generator, prefill
+from clover_jax.decode import Generator, prefill, stream_tokens
 from clover_jax.draft_vocab import DraftVocab
 from clover_jax.errors import CloverError
 from clover_jax.heads import Heads
@@ -335,9 +335,10 @@ def update_context(base, heads: Heads, aug_cache, hidden, hidden_normed, next_to
 
 def generate_speculative(graphdefs, params, prompts, prompt_lens, budgets, keys, *, tree: Tree | DynamicTree,
                          sampling: SamplingConfig, eos_ids: tuple[int, ...], max_new: int, cache_len: int,
-                         mesh=None):
+                         mesh=None, stream=None):
     """Speculative generation as one pure function (jit with the keyword args static). params: the base
-    model's and the heads' states, and the draft vocabulary (None: the whole vocabulary)."""
+    model's and the heads' states, and the draft vocabulary (None: the whole vocabulary); stream: a host
+    callback given the tokens after each step (`decode.stream_tokens`)."""
     base = nnx.merge(graphdefs[0], params[0])
     heads = nnx.merge(graphdefs[1], params[1])
     vocab = params[2]
@@ -397,7 +398,7 @@ def generate_speculative(graphdefs, params, prompts, prompt_lens, budgets, keys,
             root=jnp.where(live, bonus, s.root), step=s.step + 1,
             finite=s.finite & (jnp.isfinite(path_logits).all(-1) | s.done),
             accept_hist=s.accept_hist + (jax.nn.one_hot(accepted, depth + 1, dtype=jnp.int32) * live[:, None]))
-        return s.append(emitted, count, budgets, eos_ids)
+        return stream_tokens(stream, s.append(emitted, count, budgets, eos_ids))
 
     return jax.lax.while_loop(cond, body, state)
 

@@ -35,7 +35,7 @@ examples:
   python -m infer.generate --method clover2 --prompt "def fibonacci(n):"
   python -m infer.generate --method medusa --heads random --tree chain:3 --prompt "import os"
   python -m infer.generate --prompt "import os" --temperature 0.8 --top-p 0.95 --seed 1
-  python -m infer.generate --model path/to/llama --chat --prompt "What is a KV cache?"
+  python -m infer.generate --model path/to/llama --chat --stream --prompt "What is a KV cache?"
   python -m infer.generate --prompts question.jsonl --batch-size 4 --json > answers.jsonl
 
 A prompts file holds one JSON object per line: {"prompt": ...}, Spec-Bench's {"turns": [...]}
@@ -97,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, metavar="N",
                    help="KV cache positions: prompt plus new tokens must fit "
                         "(default: the model's max_position_embeddings)")
-    p.add_argument("--batch-size", type=int, default=8, metavar="N",
-                   help="prompts of --prompts generated together in one batch (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, metavar="N",
+                   help="prompts of --prompts generated together in one batch (default: 8; 1 with --stream)")
     p.add_argument("--mesh", metavar="SPEC",
                    help="shard over devices: axis=size pairs over data, fsdp and model, e.g. data=2,model=4 "
                         "(the sizes multiply to the device count; default: one device)")
@@ -106,7 +106,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per prompt (prompt, text, tokens, num_tokens) instead of text "
                         "separated by '---' lines")
+    p.add_argument("--stream", action="store_true",
+                   help="print the text as it is written, step by step, one prompt at a time (not with --json, "
+                        "--mesh or a --batch-size over 1); each step then waits for a copy of its tokens to "
+                        "this host, which tokens/s includes")
     return p
+
+
+class StreamPrinter:
+    """Prints one sequence's text as its tokens arrive (`Generator.generate`'s on_tokens): the whole
+    decoded so far less what is already shown, since decoding token by token could split a character
+    that spans tokens, or drop a space a tokenizer adds only between tokens."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.shown = ""
+
+    def __call__(self, tokens, counts) -> None:
+        self.show(tokens[0, : counts[0]].tolist())
+
+    def show(self, tokens: list[int], final: bool = False) -> None:
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        if not final and (text.endswith("\ufffd") or not text.startswith(self.shown)):
+            return  # a character still in the making, or a decoding that may yet settle: wait
+        # What a later decoding rewrote is printed again after a line break: nothing is ever lost.
+        sys.stdout.write(text[len(self.shown):] if text.startswith(self.shown) else "\n" + text)
+        sys.stdout.flush()
+        self.shown = text
 
 
 def make_generator(model: Llama, method: str, *, model_path, heads: str | None = None, tree: str | None = None,
@@ -134,6 +160,11 @@ def make_generator(model: Llama, method: str, *, model_path, heads: str | None =
 
 
 def _generate(args: argparse.Namespace) -> int:
+    if args.stream:
+        fix = ("drop --json" if args.json else "drop --mesh" if args.mesh else
+               f"drop --batch-size {args.batch_size}" if args.batch_size not in (None, 1) else None)
+        if fix:
+            raise CloverError(f"--stream prints one prompt at a time, as text, on one device: {fix}")
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     path = cli.model_dir(args.model)
     cfg = ModelConfig.from_pretrained(path)
@@ -141,7 +172,8 @@ def _generate(args: argparse.Namespace) -> int:
     texts = [args.prompt] if args.prompt is not None else cli.read_prompts(args.prompts)
     prompts = [cli.encode(tokenizer, t, chat=args.chat, bos_id=cfg.bos_token_id) for t in texts]
     eos = cli.eos_ids(path, cfg, tokenizer)
-    groups = cli.batches(list(range(len(prompts))), args.batch_size)
+    size = args.batch_size if args.batch_size is not None else 1 if args.stream else 8
+    groups = cli.batches(list(range(len(prompts))), size)
 
     mesh = cli.mesh_of(args)
     _, model = load_pretrained(path, dtype=DTYPES[args.dtype], mesh=mesh)
@@ -152,8 +184,13 @@ def _generate(args: argparse.Namespace) -> int:
     seq_steps = 0
     compile_s = run_s = 0.0
     for k, group in enumerate(groups):
+        printer = None
+        if args.stream:
+            if group[0]:
+                print("---", flush=True)
+            printer = StreamPrinter(tokenizer)
         out = generator.generate([prompts[i] for i in group], args.max_new_tokens, sampling=sampling,
-                                 seed=args.seed + k, eos_ids=eos)
+                                 seed=args.seed + k, eos_ids=eos, on_tokens=printer)
         new_tokens += out.num_new_tokens
         steps += out.steps
         seq_steps += sum(out.sequence_steps)
@@ -164,6 +201,9 @@ def _generate(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps({"prompt": texts[i], "text": text, "tokens": tokens, "num_tokens": len(tokens)},
                                  ensure_ascii=False))
+            elif printer:
+                printer.show(tokens, final=True)
+                print()
             else:
                 if i:
                     print("---")

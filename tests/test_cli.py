@@ -25,7 +25,8 @@ from infer import cli, generate
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FLAGS = ("--model", "--prompt", "--prompts", "--chat", "--method", "--max-new-tokens", "--temperature",
          "--top-p", "--top-k", "--seed", "--dtype", "--max-len", "--batch-size", "--json",
-         "--heads", "--tree", "--draft-vocab", "--num-heads", "--mesh", "--coordinator", "--num-processes", "--process-id")
+         "--heads", "--tree", "--draft-vocab", "--num-heads", "--mesh", "--coordinator", "--num-processes", "--process-id",
+         "--stream")
 STATS = re.compile(r"^\[(plain|medusa|clover|clover2)\]( tree=\d+ nodes, depth \d+, drafting from (all|\d+) tokens)? "
                    r"new_tokens=\d+ steps=\d+ tau=[\d.]+ tokens/s=[\d.]+ compile=[\d.]+s run=[\d.]+s$")
 NEW = 6  # new tokens per prompt in every test, so most tests share one compiled shape
@@ -104,6 +105,62 @@ def test_speculative_methods_print_the_plain_text(method, model_dir, hf_tok, lib
     code, out, err = run_cli(capsys, "--model", model_dir, "--prompt", prompt, "--method", method,
                              "--heads", tmp_path / "other")
     assert code == 2 and "trained for another base model" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("method", ["plain", "medusa"])
+def test_stream_prints_the_same_text_as_it_is_written(method, model_dir, hf_tok, library, capsys, tmp_path,
+                                                      monkeypatch):
+    """--stream: the library hands the host every step's tokens, the CLI prints them as they come, one
+    prompt at a time (--batch-size 1 by default then), and stdout ends up what it is without --stream."""
+    prompts = ["def add(a, b):", "class Point:"]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    seen: dict[int, list[int]] = {}  # printer -> the counts it was handed
+    handed = generate.StreamPrinter.__call__
+    monkeypatch.setattr(generate.StreamPrinter, "__call__",
+                        lambda self, tokens, counts: (seen.setdefault(id(self), []).append(int(counts[0])),
+                                                      handed(self, tokens, counts)))
+    spec = [] if method == "plain" else ["--method", method, "--heads", "random", "--tree", "chain:2"]
+    code, out, err = run_cli(capsys, "--model", model_dir, "--prompts", path, "--max-new-tokens", NEW, "--stream", *spec)
+    assert code == 0, err
+    expected = [library([hf_tok(p)["input_ids"]])[0] for p in prompts]
+    assert out == "\n---\n".join(hf_tok.decode(t, skip_special_tokens=True) for t in expected) + "\n"
+    assert STATS.match(err.strip()) and f"new_tokens={sum(map(len, expected))} " in err, err
+    counts = list(seen.values())
+    assert len(counts) == 2
+    for got, tokens in zip(counts, expected):  # once per decoding step, after the prefill's first token
+        assert got == sorted(set(got)) and got[-1] == len(tokens), (got, tokens)
+        if method == "plain":
+            assert got == list(range(2, len(tokens) + 1))
+
+
+def test_stream_printer_waits_for_whole_characters(capsys):
+    """A character whose bytes span tokens is printed once complete; a decoding that rewrites what was
+    shown is printed again whole after a line break at the end, never lost."""
+
+    class Bytes:  # one token per byte
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    ids = list("aé b".encode())
+    printer = generate.StreamPrinter(Bytes())
+    pieces = []
+    for n in range(1, len(ids) + 1):
+        printer(np.asarray([ids]), np.asarray([n]))
+        pieces.append(capsys.readouterr().out)
+    assert pieces == ["a", "", "é", " ", "b"]
+    printer.show(ids, final=True)
+    assert capsys.readouterr().out == ""
+
+    class Rewrites:
+        def decode(self, ids, skip_special_tokens=True):
+            return "ab" if len(ids) == 1 else "xyz"
+
+    printer = generate.StreamPrinter(Rewrites())
+    printer(np.asarray([[5, 6]]), np.asarray([1]))
+    printer(np.asarray([[5, 6]]), np.asarray([2]))  # not a continuation of "ab": held back
+    printer.show([5, 6], final=True)
+    assert capsys.readouterr().out == "ab\nxyz"
 
 
 def test_sampling_flags_reach_the_sampler(model_dir, hf_tok, library, capsys):
@@ -186,7 +243,8 @@ def no_chat_dir(model_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("case", ["missing model", "default model missing", "no tokenizer", "prompt too long",
                                   "bad top-p", "negative temperature", "bad max-new-tokens", "bad batch size",
-                                  "bad prompts line", "missing prompts file", "no chat template"])
+                                  "bad prompts line", "missing prompts file", "no chat template",
+                                  "stream with json", "stream with a batch", "stream with a mesh"])
 def test_bad_input_is_one_error_line_and_exit_2(case, model_dir, no_chat_dir, capsys, tmp_path, monkeypatch):
     m = ["--model", model_dir]
     bad_line = tmp_path / "bad.jsonl"
@@ -206,6 +264,9 @@ def test_bad_input_is_one_error_line_and_exit_2(case, model_dir, no_chat_dir, ca
         "bad prompts line": (m + ["--prompts", bad_line], "bad.jsonl:2: no prompt found"),
         "missing prompts file": (m + ["--prompts", tmp_path / "none.jsonl"], "cannot read the prompts file"),
         "no chat template": (["--model", no_chat_dir, "--prompt", "x", "--chat"], "no chat template"),
+        "stream with json": (m + ["--prompt", "x", "--stream", "--json"], "--stream prints one prompt at a time"),
+        "stream with a batch": (m + ["--prompts", bad_line, "--stream", "--batch-size", 2], "drop --batch-size 2"),
+        "stream with a mesh": (m + ["--prompt", "x", "--stream", "--mesh", "data=1"], "drop --mesh"),
     }[case]
     # The shipped model may or may not be built in this checkout; the error must not depend on it.
     monkeypatch.setattr(cli, "DEFAULT_MODEL_DIR", tmp_path / "models" / "reference")

@@ -132,6 +132,27 @@ def test_output_accounting(llama2):
     assert np.asarray(out.state.num_new).tolist() == [4, 10, 6]
 
 
+def test_on_tokens_sees_every_step_and_its_errors_come_back(llama2):
+    """Streaming: `on_tokens` is handed each step's tokens so far, in order, the last being the output,
+    and nothing from the set-up run; an error it raises reaches the caller, and the next call is clean."""
+    _, gen = llama2
+    plain = gen.generate(PROMPTS, MAX_NEW, eos_ids=[], budgets=[4, MAX_NEW, 6])
+    calls = []
+    out = gen.generate(PROMPTS, MAX_NEW, eos_ids=[], budgets=[4, MAX_NEW, 6],
+                       on_tokens=lambda tokens, counts: calls.append((tokens.copy(), counts.tolist())))
+    assert out.tokens == plain.tokens and len(calls) == out.steps - 1 == MAX_NEW - 1
+    assert [c for _, c in calls] == [[min(n, b) for b in (4, MAX_NEW, 6)] for n in range(2, MAX_NEW + 1)]
+    assert [calls[-1][0][i, :n].tolist() for i, n in enumerate(calls[-1][1])] == out.tokens
+
+    def fail(tokens, counts):
+        raise BrokenPipeError("stdout closed")
+
+    with pytest.raises(BrokenPipeError, match="stdout closed"):
+        gen.generate(PROMPTS, MAX_NEW, eos_ids=[], budgets=[4, MAX_NEW, 6], on_tokens=fail)
+    assert gen.generate(PROMPTS, MAX_NEW, eos_ids=[], budgets=[4, MAX_NEW, 6],
+                        on_tokens=lambda *_: None).tokens == out.tokens
+
+
 def test_non_finite_logits(hf_checkpoint):
     _, model = load_pretrained(hf_checkpoint("llama2")[1])
     model.norm.weight[...] = jnp.full(model.norm.weight.shape, jnp.nan)
