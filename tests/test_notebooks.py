@@ -41,6 +41,7 @@ def images(nb) -> int:
 def test_quickstart_runs(monkeypatch):
     _, printed = execute("01_quickstart.ipynb", monkeypatch)
     assert "tokens per base-model pass" in printed
+    assert re.search(r"\[64 tokens streamed over \d+ base-model passes\]", printed)
 
 
 def test_training_notebook_trains_heads_that_beat_fresh_ones(monkeypatch, tmp_path):
