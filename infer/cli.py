@@ -146,14 +146,22 @@ def check_output_dir(path: str | Path, flag: str) -> None:
         raise CloverError(f"{flag}: cannot write into {existing}; pick a writable path")
 
 
+INTERRUPTED = 130  # the exit status of a run stopped by Ctrl-C, as a shell reports one
+
+
 def run_main(body: Callable[[], int]) -> int:
-    """Run a tool's body; a user error prints one `error:` line on stderr and returns 2."""
+    """Run a tool's body; a user error prints one `error:` line on stderr and returns 2, and Ctrl-C
+    one `interrupted` line (no traceback) and returns 130. What the tools write is written whole or
+    not at all (`clover_jax.files`), so an interrupted run leaves no half-written file."""
     try:
         return body()
     except (CloverError, OSError) as e:  # OSError: a file that vanished or cannot be read mid-run
         message = " ".join(str(e).split("\n"))
         print(f"error: {message}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 def batches(items: Sequence, size: int) -> list[Sequence]:

@@ -277,6 +277,16 @@ def test_bad_input_is_one_error_line_and_exit_2(case, model_dir, no_chat_dir, ca
     assert needle in err, err
 
 
+def test_ctrl_c_is_one_line_and_exit_130(capsys):
+    """Ctrl-C in any tool: one `interrupted` line, status 130 as a shell reports it, no traceback."""
+
+    def body():
+        raise KeyboardInterrupt
+
+    assert cli.run_main(body) == 130
+    assert capsys.readouterr().err.strip() == "interrupted"
+
+
 def test_help_mentions_every_flag(capsys):
     with pytest.raises(SystemExit) as exit_:
         generate.main(["--help"])

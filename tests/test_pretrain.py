@@ -1,6 +1,7 @@
 """A tiny pretraining run: the loss goes down, and a stopped run resumes to the very same weights."""
 
 import json
+import signal
 
 import numpy as np
 import pytest
@@ -18,15 +19,16 @@ def data_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("data")
 
 
-def run(tmp_path, data_dir, name, *extra):
+def run(tmp_path, data_dir, name, *extra, code=0):
     work = tmp_path / name
-    code = pretrain.main(TINY + ["--out", str(work / "model"), "--work-dir", str(work / "run"),
-                                 "--data-dir", str(data_dir), *map(str, extra)])
-    assert code == 0
+    assert pretrain.main(TINY + ["--out", str(work / "model"), "--work-dir", str(work / "run"),
+                                 "--data-dir", str(data_dir), *map(str, extra)]) == code
     return work
 
 
-def test_loss_falls_and_resume_is_exact(tmp_path, data_dir):
+def test_loss_falls_and_resume_is_exact(tmp_path, data_dir, monkeypatch, capsys):
+    """Stopped by --stop-after, then by Ctrl-C (the step in progress is finished and checkpointed, exit
+    130), then resumed to the end: the very weights of a run never stopped."""
     straight = run(tmp_path, data_dir, "straight", "--steps", 8)
     val = [json.loads(line)["val_loss"] for line in (straight / "run" / "metrics.jsonl").read_text().splitlines()
            if "val_loss" in line]
@@ -34,6 +36,18 @@ def test_loss_falls_and_resume_is_exact(tmp_path, data_dir):
 
     resumed = run(tmp_path, data_dir, "resumed", "--steps", 8, "--stop-after", 4)
     assert not (resumed / "model").exists()  # stopped before the end: nothing exported
+    batch_at = pretrain.batch_at
+
+    def ctrl_c_in_step_5(tokens, step, *args):
+        if step == 5:
+            signal.raise_signal(signal.SIGINT)
+        return batch_at(tokens, step, *args)
+
+    monkeypatch.setattr(pretrain, "batch_at", ctrl_c_in_step_5)
+    capsys.readouterr()
+    run(tmp_path, data_dir, "resumed", "--steps", 8, code=130)
+    assert "resumed from step 4" in (err := capsys.readouterr().err) and "stopped at step 6; rerun to resume" in err
+    monkeypatch.setattr(pretrain, "batch_at", batch_at)
     resumed = run(tmp_path, data_dir, "resumed", "--steps", 8)
     a = load_file(str(straight / "model" / "model.safetensors"))
     b = load_file(str(resumed / "model" / "model.safetensors"))

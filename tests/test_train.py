@@ -13,6 +13,7 @@ import io
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 
@@ -364,8 +365,22 @@ def test_kill_and_resume_gives_identical_heads(trained, model_dir, datasets, tmp
     code, _, err = _train(capsys, model_dir, datasets["hidden"], out, work, "clover2", "--stop-after", 3)
     assert code == 0 and "stopped at step 3; rerun with --resume" in err, err
     assert not (out / "heads.safetensors").exists()
+    # Ctrl-C during step 5 (index 4): that step is finished and checkpointed, and the run exits with 130.
+    batch_at = HeadDataset.batch_at
+
+    def ctrl_c_in_step_5(self, step, *args):
+        if step == 4:
+            signal.raise_signal(signal.SIGINT)
+        return batch_at(self, step, *args)
+
+    handler = signal.getsignal(signal.SIGINT)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(HeadDataset, "batch_at", ctrl_c_in_step_5)
+        code, _, err = _train(capsys, model_dir, datasets["hidden"], out, work, "clover2", "--resume")
+    assert code == 130 and "resumed from step 3" in err and "stopped at step 5; rerun with --resume" in err, err
+    assert signal.getsignal(signal.SIGINT) is handler  # Ctrl-C acts as usual again
     code, _, err = _train(capsys, model_dir, datasets["hidden"], out, work, "clover2", "--resume")
-    assert code == 0 and "resumed from step 3" in err, err
+    assert code == 0 and "resumed from step 5" in err, err
     a, b = load_file(str(straight / "heads.safetensors")), load_file(str(out / "heads.safetensors"))
     assert sorted(a) == sorted(b)
     for name in a:

@@ -32,7 +32,7 @@ from clover_jax.files import copy_file, write_text
 from clover_jax.model import Llama, causal_self_mask
 from infer import cli
 from train import corpus
-from train.runs import MetricsLog, pin_run, restore_latest
+from train.runs import MetricsLog, pin_run, restore_latest, stop_on_interrupt
 from train.tokenizer import EOS_TOKEN, save_tokenizer, train_tokenizer
 
 
@@ -166,25 +166,26 @@ def run(args) -> int:
     if not args.export_only:
         print(f"model: {cfg.num_params / 1e6:.2f}M parameters; train split {len(train_tokens):,} tokens", file=sys.stderr)
         bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="pretrain", dynamic_ncols=True)
-        for step in bar:
-            windows = jnp.asarray(batch_at(train_tokens, step, args.batch_size, args.seq_len, args.seed))
-            params, opt_state, loss = train_step(params, opt_state, windows)
-            done = step + 1
-            if done % 10 == 0:
-                loss = float(loss)
-                record(done, loss=loss)
-                bar.set_postfix(loss=f"{loss:.3f}")
-            if done % args.eval_every == 0 or done == args.steps:
-                bar.write(f"step {done}: " + ", ".join(f"{k}={v:.4f}" for k, v in held_out_eval(done).items()))
-            if done % args.ckpt_every == 0 or done == args.steps:
-                manager.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
-            out_of_time = args.max_minutes and time.time() - t_start > args.max_minutes * 60
-            if (out_of_time or done == args.stop_after) and done < args.steps:
-                if done % args.ckpt_every:
+        with stop_on_interrupt() as interrupt:
+            for step in bar:
+                windows = jnp.asarray(batch_at(train_tokens, step, args.batch_size, args.seq_len, args.seed))
+                params, opt_state, loss = train_step(params, opt_state, windows)
+                done = step + 1
+                if done % 10 == 0:
+                    loss = float(loss)
+                    record(done, loss=loss)
+                    bar.set_postfix(loss=f"{loss:.3f}")
+                if done % args.eval_every == 0 or done == args.steps:
+                    bar.write(f"step {done}: " + ", ".join(f"{k}={v:.4f}" for k, v in held_out_eval(done).items()))
+                if done % args.ckpt_every == 0 or done == args.steps:
                     manager.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
-                manager.wait_until_finished()
-                print(f"stopped at step {done}; rerun to resume", file=sys.stderr)
-                return 0
+                out_of_time = args.max_minutes and time.time() - t_start > args.max_minutes * 60
+                if (out_of_time or done == args.stop_after or interrupt.is_set()) and done < args.steps:
+                    if done % args.ckpt_every:
+                        manager.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
+                    manager.wait_until_finished()
+                    print(f"stopped at step {done}; rerun to resume", file=sys.stderr)
+                    return cli.INTERRUPTED if interrupt.is_set() else 0
         manager.wait_until_finished()
         step = args.steps
     final = held_out_eval(step)

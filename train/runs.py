@@ -7,9 +7,14 @@ inside orbax or, worse, silently training something else.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import orbax.checkpoint as ocp
 
@@ -31,6 +36,31 @@ def pin_run(work: Path, fields: dict) -> None:
         return
     work.mkdir(parents=True, exist_ok=True)
     write_text(path, json.dumps(fields, indent=2) + "\n")
+
+
+@contextlib.contextmanager
+def stop_on_interrupt() -> Iterator[threading.Event]:
+    """Within the block, the first Ctrl-C (SIGINT) only sets the event it yields: the training loop
+    finishes the step in progress, checkpoints it and stops, so no finished step is lost (a second
+    Ctrl-C interrupts at once). Off the main thread, where signals cannot be caught, the event stays
+    unset and Ctrl-C acts as usual."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def request(signum, frame):
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        print("\ninterrupted: stopping after this step to checkpoint it (Ctrl-C again to quit now)",
+              file=sys.stderr, flush=True)
+
+    previous = signal.signal(signal.SIGINT, request)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def restore_latest(manager: ocp.CheckpointManager, state: dict) -> tuple[int, dict]:

@@ -25,17 +25,17 @@ from flax import nnx
 from tqdm import tqdm
 
 from clover_jax.checkpoint import save_heads
-from clover_jax.draft_vocab import token_counts
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import to_host
+from clover_jax.draft_vocab import token_counts
 from clover_jax.errors import CloverError
-from infer import cli
 from clover_jax.heads import DEFAULT_NUM_HEADS, METHODS, Heads, HeadsConfig, make_heads
 from clover_jax.model import Llama, causal_self_mask
 from clover_jax.sharding import onto_mesh, put_batch, shard_module
+from infer import cli
 from train import losses
 from train.data import HeadDataset
-from train.runs import MetricsLog, pin_run, restore_latest
+from train.runs import MetricsLog, pin_run, restore_latest, stop_on_interrupt
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -213,30 +213,33 @@ def run(args) -> int:
     ev: dict = {}
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc=f"train {args.method}",
                dynamic_ncols=True)
-    for step in bar:
-        batch = data.batch_at(step, args.batch_size, args.seq_len, args.seed, train_idx)
-        params, opt_state, m = train_step(params, opt_state, base_params, to_device(batch))
-        done = step + 1
-        if done % 10 == 0 or done == args.steps:
-            m = jax.device_get(m)
-            record(done, loss=float(m["loss"]), top1=np.asarray(m["top1"]).tolist())
-            bar.set_postfix(loss=f"{float(m['loss']):.3f}",
-                            top1="/".join(f"{a:.2f}" for a in np.asarray(m["top1"])))
-        if done % args.eval_every == 0 or done == args.steps:
-            ev = held_out(done)
-            if ev:
-                record(done, **ev)
-                bar.write(f"step {done}: val_loss={ev['val_loss']:.4f} top1={[round(a, 3) for a in ev['val_top1']]} "
-                          f"top5={[round(a, 3) for a in ev['val_top5']]} chain tau={ev['val_chain_tau']:.2f}")
-        if done % args.ckpt_every == 0 or done == args.steps:
-            save(done, ev if done % args.eval_every == 0 or done == args.steps else {})
-        out_of_time = args.max_minutes and time.time() - t0 > args.max_minutes * 60
-        if (out_of_time or done == args.stop_after) and done < args.steps:
-            if done % args.ckpt_every:
-                save(done, {})
-            last.wait_until_finished()
-            print(f"stopped at step {done}; rerun with --resume", file=sys.stderr)
-            return 0
+    with stop_on_interrupt() as interrupt:
+        for step in bar:
+            batch = data.batch_at(step, args.batch_size, args.seq_len, args.seed, train_idx)
+            params, opt_state, m = train_step(params, opt_state, base_params, to_device(batch))
+            done = step + 1
+            if done % 10 == 0 or done == args.steps:
+                m = jax.device_get(m)
+                record(done, loss=float(m["loss"]), top1=np.asarray(m["top1"]).tolist())
+                bar.set_postfix(loss=f"{float(m['loss']):.3f}",
+                                top1="/".join(f"{a:.2f}" for a in np.asarray(m["top1"])))
+            if done % args.eval_every == 0 or done == args.steps:
+                ev = held_out(done)
+                if ev:
+                    record(done, **ev)
+                    bar.write(f"step {done}: val_loss={ev['val_loss']:.4f} "
+                              f"top1={[round(a, 3) for a in ev['val_top1']]} "
+                              f"top5={[round(a, 3) for a in ev['val_top5']]} chain tau={ev['val_chain_tau']:.2f}")
+            if done % args.ckpt_every == 0 or done == args.steps:
+                save(done, ev if done % args.eval_every == 0 or done == args.steps else {})
+            out_of_time = args.max_minutes and time.time() - t0 > args.max_minutes * 60
+            if (out_of_time or done == args.stop_after or interrupt.is_set()) and done < args.steps:
+                if done % args.ckpt_every:
+                    save(done, {})
+                last.wait_until_finished()
+                best.wait_until_finished()
+                print(f"stopped at step {done}; rerun with --resume", file=sys.stderr)
+                return cli.INTERRUPTED if interrupt.is_set() else 0
     last.wait_until_finished()
     best.wait_until_finished()
     if jax.process_count() > 1:  # the export is written once, from every process's shards
