@@ -74,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(99.9%% of those tokens when greedy, the whole vocabulary when sampling); with --shape, "
                         "N drafts from N tokens of the random model and auto from all (default: %(default)s)")
     p.add_argument("--prompts", metavar="FILE",
-                   help="JSONL prompts, one {\"prompt\": ...} per line (default: MODEL/prompts.jsonl)")
+                   help="JSONL prompts: {\"prompt\"}, Spec-Bench {\"turns\"} (the first turn) or ShareGPT "
+                        "{\"conversations\"} (the first human turn) records (default: MODEL/prompts.jsonl)")
+    cli.add_chat_flags(p)
     p.add_argument("--num-prompts", type=int, default=24, metavar="N", help="first N prompts of the file (default: %(default)s)")
     p.add_argument("--batch-sizes", default="1,8", metavar="LIST", help="comma-separated batch sizes (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=96, metavar="N", help="tokens generated per prompt (default: %(default)s)")
@@ -262,7 +264,7 @@ def _benchmark(args: argparse.Namespace) -> int:
     if args.prompts is None and not Path(prompt_file).is_file():
         raise CloverError(f"no prompts file at {prompt_file}; pass --prompts FILE")
     texts = cli.read_prompts(prompt_file)[: args.num_prompts]
-    prompts = [cli.encode(tokenizer, t, bos_id=cfg.bos_token_id) for t in texts]
+    prompts = [cli.encode(tokenizer, t, chat=args.chat, bos_id=cfg.bos_token_id, system=args.system) for t in texts]
     mesh = make_mesh(args.mesh) if args.mesh else None
     _, model = load_pretrained(path, dtype=DTYPES[args.dtype], mesh=mesh)
     heads_root = Path(args.heads_root) if args.heads_root else path / "heads"
@@ -336,6 +338,7 @@ def _benchmark(args: argparse.Namespace) -> int:
               "profile": profiles or None,
               "machine": report.machine_info(bandwidth),
               "settings": dict(model=str(path), prompts=str(prompt_file), num_prompts=len(prompts),
+                               chat=args.chat, system=args.system,
                                max_new_tokens=args.max_new_tokens, repeats=args.repeats, dtype=args.dtype,
                                mesh=args.mesh,
                                command=args.command)}

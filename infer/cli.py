@@ -95,18 +95,36 @@ def load_tokenizer(path: Path):
         raise CloverError(f"{path}: cannot load a tokenizer ({first})") from None
 
 
-def encode(tokenizer, text: str, chat: bool = False, bos_id: int | None = None) -> list[int]:
+def add_chat_flags(p) -> None:
+    """--chat and --system: how a chat model (Vicuna, Llama-3-Instruct) is prompted."""
+    p.add_argument("--chat", action="store_true",
+                   help="wrap each prompt as a user turn in the tokenizer's chat template, ending with the "
+                        "assistant's opening (what a chat model such as Llama-3-Instruct expects)")
+    p.add_argument("--system", metavar="TEXT",
+                   help="with --chat: a system turn before each prompt (default: none, the template's own)")
+
+
+def encode(tokenizer, text: str, chat: bool = False, bos_id: int | None = None,
+           system: str | None = None) -> list[int]:
     """Token ids of a prompt, with the special tokens the tokenizer adds by default (Llama's BOS).
 
-    With `chat`, the text is the user turn of the tokenizer's chat template, rendered with the
-    assistant's opening; the template writes its own special tokens, so none are added on top. An
-    empty prompt becomes [BOS] when there is one: the model needs at least one token.
+    With `chat`, the text is the user turn of the tokenizer's chat template (after a `system` turn
+    when given), rendered with the assistant's opening; the template writes its own special tokens,
+    so none are added on top. An empty prompt becomes [BOS] when there is one: the model needs at
+    least one token.
     """
+    if system is not None and not chat:
+        raise CloverError("--system is a turn of the chat template; add --chat")
     if chat:
         if not getattr(tokenizer, "chat_template", None):
             raise CloverError("--chat: the tokenizer has no chat template; drop --chat or use a chat model's tokenizer")
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
+        turns = ([{"role": "system", "content": system}] if system is not None else []) + [
+            {"role": "user", "content": text}]
+        try:
+            text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - a template's own refusal (jinja2's raise_exception)
+            raise CloverError(f"--chat: the tokenizer's chat template refused the prompt: {e}"
+                              + ("; drop --system" if system is not None else "")) from None
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         ids = tokenizer(text, add_special_tokens=True)["input_ids"]

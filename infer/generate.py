@@ -58,9 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompts", metavar="FILE",
                      help="JSONL file of prompts: {\"prompt\"}, Spec-Bench {\"turns\"} or ShareGPT "
                           "{\"conversations\"} records (see below)")
-    p.add_argument("--chat", action="store_true",
-                   help="wrap each prompt as a user turn in the tokenizer's chat template, "
-                        "ending with the assistant's opening")
+    cli.add_chat_flags(p)
     p.add_argument("--method", choices=METHODS, default="plain",
                    help="decoding method: plain (one token per forward pass) or speculative decoding with "
                         "medusa, clover or clover2 draft heads (default: %(default)s)")
@@ -170,7 +168,7 @@ def _generate(args: argparse.Namespace) -> int:
     cfg = ModelConfig.from_pretrained(path)
     tokenizer = cli.load_tokenizer(path)
     texts = [args.prompt] if args.prompt is not None else cli.read_prompts(args.prompts)
-    prompts = [cli.encode(tokenizer, t, chat=args.chat, bos_id=cfg.bos_token_id) for t in texts]
+    prompts = [cli.encode(tokenizer, t, chat=args.chat, bos_id=cfg.bos_token_id, system=args.system) for t in texts]
     eos = cli.eos_ids(path, cfg, tokenizer)
     size = args.batch_size if args.batch_size is not None else 1 if args.stream else 8
     groups = cli.batches(list(range(len(prompts))), size)

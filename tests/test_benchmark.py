@@ -103,13 +103,15 @@ def test_output_paths_are_checked_before_anything_runs(tmp_path, capsys):
 def test_benchmark_sampling_and_draft_vocabulary_rows(tmp_path):
     """--temperatures adds sampled rows (speculative sampling: tau >= 1, no token-equality claim), and
     --draft-vocab one row per vocabulary: auto is the shipped heads' 128 tokens when greedy and the whole
-    vocabulary when sampling; --shape drafts from N tokens of its own vocabulary."""
+    vocabulary when sampling; --shape drafts from N tokens of its own vocabulary. --chat and --system
+    prompt through the chat template, and the settings say so."""
     out = tmp_path / "bench.json"
     assert benchmark.main(["--methods", "plain,medusa", "--tree", "chain:1", "--num-prompts", "1", "--batch-sizes", "1",
                            "--max-new-tokens", "4", "--repeats", "1", "--temperatures", "0,1",
                            "--draft-vocab", "0,auto,160", "--shape", "tiny", "--shape-layers", "1",
-                           "--json", str(out)]) == 0
+                           "--chat", "--system", "be brief", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
+    assert (result["settings"]["chat"], result["settings"]["system"]) == (True, "be brief")
     rows = {(r["method"], r["temperature"], r["draft_vocab"]): r for r in result["results"]}
     spec = [("medusa", t, dv) for t in (0.0, 1.0) for dv in ("0", "auto", "160")]
     assert set(rows) == {("plain", 0.0, ""), ("plain", 1.0, "")} | set(spec)

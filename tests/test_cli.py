@@ -17,6 +17,7 @@ from flax import nnx
 
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import Generator
+from clover_jax.errors import CloverError
 from clover_jax.model import Llama
 from clover_jax.sampling import SamplingConfig
 from conftest import tiny_llama_checkpoint
@@ -26,7 +27,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 FLAGS = ("--model", "--prompt", "--prompts", "--chat", "--method", "--max-new-tokens", "--temperature",
          "--top-p", "--top-k", "--seed", "--dtype", "--max-len", "--batch-size", "--json",
          "--heads", "--tree", "--draft-vocab", "--num-heads", "--mesh", "--coordinator", "--num-processes", "--process-id",
-         "--stream")
+         "--stream", "--system")
 STATS = re.compile(r"^\[(plain|medusa|clover|clover2)\]( tree=\d+ nodes, depth \d+, drafting from (all|\d+) tokens)? "
                    r"new_tokens=\d+ steps=\d+ tau=[\d.]+ tokens/s=[\d.]+ compile=[\d.]+s run=[\d.]+s$")
 NEW = 6  # new tokens per prompt in every test, so most tests share one compiled shape
@@ -212,6 +213,21 @@ def test_chat_applies_the_template(model_dir, hf_tok, library, capsys):
                            "--json")
     assert code == 0
     assert json.loads(out)["tokens"] == library([ids])[0]
+    ids = cli.encode(hf_tok, "hi", chat=True, system="be brief")
+    assert hf_tok.decode(ids) == "be brief\n\n### User:\nhi\n### Assistant:\n"
+    code, out, _ = run_cli(capsys, "--model", model_dir, "--prompt", "hi", "--chat", "--system", "be brief",
+                           "--max-new-tokens", NEW, "--json")
+    assert code == 0
+    assert json.loads(out)["tokens"] == library([ids])[0]
+
+
+def test_a_template_that_refuses_a_system_turn_is_one_line(hf_tok, monkeypatch):
+    """Some templates (Mistral's, Gemma's) raise on a system turn: that is the user's error, in one line."""
+    refusing = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    monkeypatch.setattr(hf_tok, "chat_template", refusing)
+    with pytest.raises(CloverError, match=r"refused the prompt: System role not supported; drop --system$") as e:
+        cli.encode(hf_tok, "hi", chat=True, system="be brief")
+    assert "\n" not in str(e.value)
 
 
 def test_empty_prompt_starts_from_bos(model_dir, library, capsys):
@@ -244,7 +260,8 @@ def no_chat_dir(model_dir, tmp_path_factory):
 @pytest.mark.parametrize("case", ["missing model", "default model missing", "no tokenizer", "prompt too long",
                                   "bad top-p", "negative temperature", "bad max-new-tokens", "bad batch size",
                                   "bad prompts line", "missing prompts file", "no chat template",
-                                  "stream with json", "stream with a batch", "stream with a mesh"])
+                                  "stream with json", "stream with a batch", "stream with a mesh",
+                                  "system without chat"])
 def test_bad_input_is_one_error_line_and_exit_2(case, model_dir, no_chat_dir, capsys, tmp_path, monkeypatch):
     m = ["--model", model_dir]
     bad_line = tmp_path / "bad.jsonl"
@@ -267,6 +284,7 @@ def test_bad_input_is_one_error_line_and_exit_2(case, model_dir, no_chat_dir, ca
         "stream with json": (m + ["--prompt", "x", "--stream", "--json"], "--stream prints one prompt at a time"),
         "stream with a batch": (m + ["--prompts", bad_line, "--stream", "--batch-size", 2], "drop --batch-size 2"),
         "stream with a mesh": (m + ["--prompt", "x", "--stream", "--mesh", "data=1"], "drop --mesh"),
+        "system without chat": (m + ["--prompt", "x", "--system", "be brief"], "--system is a turn of the chat template; add --chat"),
     }[case]
     # The shipped model may or may not be built in this checkout; the error must not depend on it.
     monkeypatch.setattr(cli, "DEFAULT_MODEL_DIR", tmp_path / "models" / "reference")
