@@ -95,13 +95,18 @@ def load_tokenizer(path: Path):
         raise CloverError(f"{path}: cannot load a tokenizer ({first})") from None
 
 
-def add_chat_flags(p) -> None:
+def add_chat_flags(p, chat_help: str = "wrap each prompt as a user turn in the tokenizer's chat template, ending "
+                                        "with the assistant's opening (what a chat model such as Llama-3-Instruct "
+                                        "expects)") -> None:
     """--chat and --system: how a chat model (Vicuna, Llama-3-Instruct) is prompted."""
-    p.add_argument("--chat", action="store_true",
-                   help="wrap each prompt as a user turn in the tokenizer's chat template, ending with the "
-                        "assistant's opening (what a chat model such as Llama-3-Instruct expects)")
+    p.add_argument("--chat", action="store_true", help=chat_help)
     p.add_argument("--system", metavar="TEXT",
                    help="with --chat: a system turn before each prompt (default: none, the template's own)")
+
+
+def chat_turns(text: str, system: str | None = None) -> list[dict]:
+    """The messages a prompt becomes under --chat: a system turn when given, then the user's."""
+    return ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": text}]
 
 
 def encode(tokenizer, text: str, chat: bool = False, bos_id: int | None = None,
@@ -118,10 +123,8 @@ def encode(tokenizer, text: str, chat: bool = False, bos_id: int | None = None,
     if chat:
         if not getattr(tokenizer, "chat_template", None):
             raise CloverError("--chat: the tokenizer has no chat template; drop --chat or use a chat model's tokenizer")
-        turns = ([{"role": "system", "content": system}] if system is not None else []) + [
-            {"role": "user", "content": text}]
         try:
-            text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(chat_turns(text, system), tokenize=False, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - a template's own refusal (jinja2's raise_exception)
             raise CloverError(f"--chat: the tokenizer's chat template refused the prompt: {e}"
                               + ("; drop --system" if system is not None else "")) from None

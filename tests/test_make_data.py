@@ -153,6 +153,15 @@ def test_chat_sharegpt_fixed_response_is_the_templates_assistant_turn(model_dir,
     assert hf_tok.decode(tokens[len(p):]) == " range(10):\n    print(i)\n<|endoftext|>"
     assert json.loads((tmp_path / "d" / "meta.json").read_text())["hidden_dtype"] is None
     assert not (tmp_path / "d" / "hidden.npy").exists()
+    # --system: the same turn before every prompt, and the same assistant turn after it
+    code, out, _ = run(capsys, "--base", model_dir, "--prompts", path, "--out", tmp_path / "s", "--mode", "fixed",
+                       "--chat", "--system", "be brief")
+    assert code == 0 and "wrote 1 examples" in out
+    [(tokens, _)] = _examples(tmp_path / "s")
+    p = cli.encode(hf_tok, "for i in", chat=True, system="be brief")
+    assert hf_tok.decode(tokens[:len(p)]).startswith("be brief\n\n### User:\nfor i in")
+    assert tokens[: len(p)] == p and hf_tok.decode(tokens[len(p):]) == " range(10):\n    print(i)\n<|endoftext|>"
+    assert json.loads((tmp_path / "s" / "meta.json").read_text())["system"] == "be brief"
 
 
 def test_batches_are_a_function_of_seed_and_step(fixed_dir, self_dir):

@@ -75,12 +75,13 @@ def read_examples(path: str | Path) -> list[tuple[str, str | None, str]]:
     return [(*_record_example(r, where), where) for r, where in cli.read_records(path)]
 
 
-def encode_response(tokenizer, prompt: str, response: str, chat: bool, eos: tuple[int, ...]) -> list[int]:
+def encode_response(tokenizer, prompt: str, response: str, chat: bool, eos: tuple[int, ...],
+                    system: str | None = None) -> list[int]:
     """Ids of a given response. With `chat`, the assistant turn as the chat template renders it after
     the prompt's generation opening, cut after its first EOS (nothing the model would generate follows)."""
     if not chat:
         return [int(i) for i in tokenizer(response, add_special_tokens=False)["input_ids"]]
-    user = [{"role": "user", "content": prompt}]
+    user = cli.chat_turns(prompt, system)
     opening = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
     full = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": response}], tokenize=False)
     # A template that does not extend its own generation opening: fall back to the text plus EOS.
@@ -188,8 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequences per generation or hidden-state batch (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="self mode: sampling temperature; 0 is greedy (default: %(default)s)")
-    p.add_argument("--chat", action="store_true",
-                   help="render each prompt (and a fixed response) with the tokenizer's chat template")
+    cli.add_chat_flags(p, "render each prompt (and a fixed response) with the tokenizer's chat template")
     p.add_argument("--store-hidden", choices=("none",) + tuple(HIDDEN_DTYPES), default="none",
                    help="also store the base model's last hidden state (before the final norm) at every token "
                         "in this dtype, so training need not run the base model (default: %(default)s)")
@@ -223,7 +223,7 @@ def make_data(args: argparse.Namespace) -> int:
 
     prompts = []
     for text, _, where in records:
-        ids = cli.encode(tokenizer, text, chat=args.chat, bos_id=cfg.bos_token_id)
+        ids = cli.encode(tokenizer, text, chat=args.chat, bos_id=cfg.bos_token_id, system=args.system)
         _check_ids(ids, cfg.vocab_size, where)
         if len(ids) >= max_len:
             raise CloverError(f"{where}: the prompt is {len(ids)} tokens, leaving no room for a response in "
@@ -236,7 +236,7 @@ def make_data(args: argparse.Namespace) -> int:
                 raise CloverError(f"{where}: no response in the record; --mode fixed needs "
                                   "{\"prompt\": ..., \"response\": ...} or ShareGPT conversations with a gpt turn "
                                   "after the first human turn (or use --mode self)")
-            ids = encode_response(tokenizer, text, response, args.chat, eos)
+            ids = encode_response(tokenizer, text, response, args.chat, eos, args.system)
             _check_ids(ids, cfg.vocab_size, where)
             responses.append(ids)
 
@@ -273,7 +273,7 @@ def make_data(args: argparse.Namespace) -> int:
             "hidden_size": cfg.hidden_size, "num_examples": len(examples), "num_tokens": int(len(tokens)),
             "num_response_tokens": int(mask.sum()), "mode": args.mode, "max_len": max_len,
             "hidden_dtype": hidden_dtype, "prompts_file": str(args.prompts), "created_by": "train.make_data",
-            "chat": args.chat, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+            "chat": args.chat, "system": args.system, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature, "seed": args.seed}
     write_text(out / META, json.dumps(meta, indent=2) + "\n")
     print(f"wrote {len(examples)} examples ({len(tokens)} tokens, {meta['num_response_tokens']} in responses) "
