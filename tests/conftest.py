@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+import signal
 
 import jax.numpy as jnp
 import numpy as np
@@ -77,6 +78,15 @@ def build_hf_model(family: str, seed: int = 0) -> torch.nn.Module:
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
     return model
+
+
+@pytest.fixture
+def ctrl_c():
+    """SIGINT raises KeyboardInterrupt, as in a terminal, for the test's length: a run launched in the
+    background by a non-interactive shell starts with SIGINT ignored, and Ctrl-C handling is off then."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
 
 
 @pytest.fixture(scope="session")

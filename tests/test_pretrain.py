@@ -26,7 +26,7 @@ def run(tmp_path, data_dir, name, *extra, code=0):
     return work
 
 
-def test_loss_falls_and_resume_is_exact(tmp_path, data_dir, monkeypatch, capsys):
+def test_loss_falls_and_resume_is_exact(tmp_path, data_dir, monkeypatch, capsys, ctrl_c):
     """Stopped by --stop-after, then by Ctrl-C (the step in progress is finished and checkpointed, exit
     130), then resumed to the end: the very weights of a run never stopped."""
     straight = run(tmp_path, data_dir, "straight", "--steps", 8)

@@ -357,7 +357,7 @@ def test_training_lowers_the_loss_and_leaves_the_base_alone(method, trained, mod
     assert not any(name in p for p in paths for name in ("embed_tokens", "'layers'", "lm_head"))
 
 
-def test_kill_and_resume_gives_identical_heads(trained, model_dir, datasets, tmp_path, capsys):
+def test_kill_and_resume_gives_identical_heads(trained, model_dir, datasets, tmp_path, capsys, ctrl_c):
     from safetensors.numpy import load_file
 
     straight, _, _, _ = trained["clover2"]
@@ -444,6 +444,25 @@ def test_bad_input_is_one_error_line_and_exit_2(case, model_dir, other_base, dat
     assert err.startswith("error: ") and err.count("\n") == 1, err
     assert needle in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_ctrl_c_asks_once_interrupts_twice_and_an_ignored_sigint_stays_ignored(capsys, ctrl_c):
+    """runs.stop_on_interrupt: the first SIGINT only asks the loop to stop, a second one interrupts, the
+    handler before is put back; where SIGINT is ignored (nohup, a background job) it stays ignored."""
+    before = signal.getsignal(signal.SIGINT)
+    with runs.stop_on_interrupt() as stop:
+        signal.raise_signal(signal.SIGINT)
+        assert stop.is_set() and "stopping after this step" in capsys.readouterr().err
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is before
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with runs.stop_on_interrupt() as stop:
+            signal.raise_signal(signal.SIGINT)
+            assert not stop.is_set()
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def test_a_checkpoint_of_other_parameters_is_refused_in_one_line(tmp_path):

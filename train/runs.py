@@ -42,10 +42,10 @@ def pin_run(work: Path, fields: dict) -> None:
 def stop_on_interrupt() -> Iterator[threading.Event]:
     """Within the block, the first Ctrl-C (SIGINT) only sets the event it yields: the training loop
     finishes the step in progress, checkpoints it and stops, so no finished step is lost (a second
-    Ctrl-C interrupts at once). Off the main thread, where signals cannot be caught, the event stays
-    unset and Ctrl-C acts as usual."""
+    Ctrl-C interrupts at once). Off the main thread, where signals cannot be caught, or where SIGINT
+    is ignored (a background job, nohup), the event stays unset and SIGINT acts as before."""
     stop = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         yield stop
         return
 
