@@ -23,7 +23,7 @@ from clover_jax.cache import KVCache, causal_mask
 from clover_jax.errors import CloverError
 from clover_jax.model import Llama
 from clover_jax.sampling import SamplingConfig, sample, step_keys
-from clover_jax.sharding import constrain_cache, put_batch, shard_module
+from clover_jax.sharding import constrain_cache, put_batch, replicate, shard_module
 
 BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
@@ -78,17 +78,21 @@ def start_plain(model: Llama, prompts, prompt_lens, budgets, keys, *, sampling: 
     return state.record(sample(logits, step_keys(keys, 0), sampling), budgets, eos_ids)
 
 
-def stream_tokens(stream: Callable | None, state):
+def stream_tokens(stream: Callable | None, state, mesh=None):
     """Hand the tokens so far ([B, M] and their counts [B]) to the host callback `stream`, if any, at the
-    end of a step: `Generator.generate(on_tokens=...)` shows text as it is written this way."""
+    end of a step: `Generator.generate(on_tokens=...)` shows text as it is written this way. On a mesh
+    they are gathered first (a few ints), and the callback runs once, from the first device."""
     if stream is not None:
-        io_callback(stream, None, state.tokens, state.num_new, ordered=True)
+        shown = (state.tokens, state.num_new)
+        if mesh is not None:
+            shown = replicate(shown, mesh)
+        io_callback(stream, None, *shown, ordered=True)
     return state
 
 
 def continue_plain(model: Llama, state: DecodeState, budgets, *, sampling: SamplingConfig,
                    eos_ids: tuple[int, ...], max_new: int, cache_len: int,
-                   stream: Callable | None = None) -> DecodeState:
+                   stream: Callable | None = None, mesh=None) -> DecodeState:
     """The decoding steps after `start_plain`: one token per sequence per step until all are done."""
 
     def cond(s: DecodeState):
@@ -101,7 +105,8 @@ def continue_plain(model: Llama, state: DecodeState, budgets, *, sampling: Sampl
         step = s.step + 1
         s = s.replace(cache=out.cache.advance(~s.done), step=step,
                       finite=s.finite & (jnp.isfinite(logits).all(-1) | s.done))
-        return stream_tokens(stream, s.record(sample(logits, step_keys(s.keys, step), sampling), budgets, eos_ids))
+        return stream_tokens(stream, s.record(sample(logits, step_keys(s.keys, step), sampling), budgets, eos_ids),
+                             mesh)
 
     return jax.lax.while_loop(cond, body, state)
 
@@ -111,7 +116,7 @@ def generate_plain(graphdef, params, prompts, prompt_lens, budgets, keys, *, mes
     """The whole plain generation as one pure function (jit it with the keyword args static)."""
     model = nnx.merge(graphdef, params)
     state = start_plain(model, prompts, prompt_lens, budgets, keys, mesh=mesh, **static)
-    return continue_plain(model, state, budgets, stream=stream, **static)
+    return continue_plain(model, state, budgets, stream=stream, mesh=mesh, **static)
 
 
 @dataclasses.dataclass
@@ -251,12 +256,12 @@ class Generator:
         (pass `()` to never stop early); `seed` seeds per-sequence keys when `sampling` samples.
         `on_tokens(tokens [B, M], counts [B])`, when given, is called on this host after every decoding
         step with each sequence's new tokens so far (`tokens[i, :counts[i]]`), to show text as it is
-        written; it costs a device-to-host copy per step and a program of its own, on one device only.
+        written; it costs a device-to-host copy per step and a program of its own (one process only).
         Compiles on the first call with a new batch size, bucket or static setting."""
         args, static = self.prepare(prompts, max_new_tokens, sampling, seed, eos_ids, budgets)
         if on_tokens is not None:
-            if self.mesh is not None:
-                raise CloverError("streaming (on_tokens, --stream) runs on one device; drop the mesh")
+            if jax.process_count() > 1:
+                raise CloverError("streaming (on_tokens, --stream) runs in one process; drop it for a multi-process run")
             static["stream"] = self._emit
         b = len(prompts)
         key = (b, args[1].shape[1], tuple(sorted(static.items(), key=lambda kv: kv[0])))

@@ -117,6 +117,12 @@ def onto_mesh(tree, mesh: Mesh):
     return jax.tree.map(lambda x: x if set(x.sharding.device_set) == devices else jax.device_put(x, replicated), tree)
 
 
+def replicate(tree, mesh: Mesh):
+    """Inside a jitted program: every array of `tree` whole on every device of `mesh`."""
+    everywhere = NamedSharding(mesh, PartitionSpec())
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, everywhere), tree)
+
+
 def constrain_cache(cache: KVCache, mesh: Mesh | None) -> KVCache:
     """Pin a cache built inside a jitted program to its shards (batch over data, kv heads over model)."""
     if mesh is None or cache is None:

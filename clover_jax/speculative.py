@@ -398,7 +398,7 @@ def generate_speculative(graphdefs, params, prompts, prompt_lens, budgets, keys,
             root=jnp.where(live, bonus, s.root), step=s.step + 1,
             finite=s.finite & (jnp.isfinite(path_logits).all(-1) | s.done),
             accept_hist=s.accept_hist + (jax.nn.one_hot(accepted, depth + 1, dtype=jnp.int32) * live[:, None]))
-        return stream_tokens(stream, s.append(emitted, count, budgets, eos_ids))
+        return stream_tokens(stream, s.append(emitted, count, budgets, eos_ids), mesh)
 
     return jax.lax.while_loop(cond, body, state)
 

@@ -106,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "separated by '---' lines")
     p.add_argument("--stream", action="store_true",
                    help="print the text as it is written, step by step, one prompt at a time (not with --json, "
-                        "--mesh or a --batch-size over 1); each step then waits for a copy of its tokens to "
-                        "this host, which tokens/s includes")
+                        "a --batch-size over 1 or several processes); each step then waits for a copy of its "
+                        "tokens to this host, which tokens/s includes")
     return p
 
 
@@ -159,10 +159,10 @@ def make_generator(model: Llama, method: str, *, model_path, heads: str | None =
 
 def _generate(args: argparse.Namespace) -> int:
     if args.stream:
-        fix = ("drop --json" if args.json else "drop --mesh" if args.mesh else
+        fix = ("drop --json" if args.json else
                f"drop --batch-size {args.batch_size}" if args.batch_size not in (None, 1) else None)
         if fix:
-            raise CloverError(f"--stream prints one prompt at a time, as text, on one device: {fix}")
+            raise CloverError(f"--stream prints one prompt at a time, as text: {fix}")
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     path = cli.model_dir(args.model)
     cfg = ModelConfig.from_pretrained(path)

@@ -1,5 +1,6 @@
 """Run by tests/test_sharding.py in a fresh process with 8 virtual CPU devices (XLA_FLAGS must be set
-before JAX starts): greedy plain and speculative generation (also with a draft vocabulary) on several meshes, printed as JSON."""
+before JAX starts): greedy plain and speculative generation (also with a draft vocabulary, and streamed) on several meshes,
+printed as JSON."""
 
 import json
 import sys
@@ -40,7 +41,9 @@ def run(mesh_spec):
         info = {"gate_proj": str(kernel.sharding.spec), "gate_proj_shards": len({str(s.index) for s in kernel.addressable_shards}),
                 "cache": str(out.state.cache.k[0].sharding.spec), "aug_cache": str(out.state.aug_cache.k[0].sharding.spec),
                 "draft_vocab_rows": str(vocab_gen.draft_vocab.rows.sharding.spec)}
-    return {"plain": plain, "speculative": out.tokens,
+    shown = []  # streaming: the tokens the host was handed after each step
+    spec_gen.generate(PROMPTS, 8, eos_ids=(), on_tokens=lambda t, n: shown.append([t[i, :k].tolist() for i, k in enumerate(n)]))
+    return {"plain": plain, "speculative": out.tokens, "streamed": shown[-1],
             "draft_vocab": vocab_gen.generate(PROMPTS, 8, eos_ids=()).tokens, **info}
 
 

@@ -116,10 +116,10 @@ def test_stream_prints_the_same_text_as_it_is_written(method, model_dir, hf_tok,
     prompts = ["def add(a, b):", "class Point:"]
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    seen: dict[int, list[int]] = {}  # printer -> the counts it was handed
+    seen: dict[generate.StreamPrinter, list[int]] = {}  # printer (kept alive, so never confused) -> its counts
     handed = generate.StreamPrinter.__call__
     monkeypatch.setattr(generate.StreamPrinter, "__call__",
-                        lambda self, tokens, counts: (seen.setdefault(id(self), []).append(int(counts[0])),
+                        lambda self, tokens, counts: (seen.setdefault(self, []).append(int(counts[0])),
                                                       handed(self, tokens, counts)))
     spec = [] if method == "plain" else ["--method", method, "--heads", "random", "--tree", "chain:2"]
     code, out, err = run_cli(capsys, "--model", model_dir, "--prompts", path, "--max-new-tokens", NEW, "--stream", *spec)
@@ -260,7 +260,7 @@ def no_chat_dir(model_dir, tmp_path_factory):
 @pytest.mark.parametrize("case", ["missing model", "default model missing", "no tokenizer", "prompt too long",
                                   "bad top-p", "negative temperature", "bad max-new-tokens", "bad batch size",
                                   "bad prompts line", "missing prompts file", "no chat template",
-                                  "stream with json", "stream with a batch", "stream with a mesh",
+                                  "stream with json", "stream with a batch",
                                   "system without chat"])
 def test_bad_input_is_one_error_line_and_exit_2(case, model_dir, no_chat_dir, capsys, tmp_path, monkeypatch):
     m = ["--model", model_dir]
@@ -281,9 +281,8 @@ def test_bad_input_is_one_error_line_and_exit_2(case, model_dir, no_chat_dir, ca
         "bad prompts line": (m + ["--prompts", bad_line], "bad.jsonl:2: no prompt found"),
         "missing prompts file": (m + ["--prompts", tmp_path / "none.jsonl"], "cannot read the prompts file"),
         "no chat template": (["--model", no_chat_dir, "--prompt", "x", "--chat"], "no chat template"),
-        "stream with json": (m + ["--prompt", "x", "--stream", "--json"], "--stream prints one prompt at a time"),
+        "stream with json": (m + ["--prompt", "x", "--stream", "--json"], "--stream prints one prompt at a time, as text: drop --json"),
         "stream with a batch": (m + ["--prompts", bad_line, "--stream", "--batch-size", 2], "drop --batch-size 2"),
-        "stream with a mesh": (m + ["--prompt", "x", "--stream", "--mesh", "data=1"], "drop --mesh"),
         "system without chat": (m + ["--prompt", "x", "--system", "be brief"], "--system is a turn of the chat template; add --chat"),
     }[case]
     # The shipped model may or may not be built in this checkout; the error must not depend on it.

@@ -35,6 +35,7 @@ def test_sharded_generation_matches_one_device(sharded_results, mesh):
     assert sharded["plain"] == one["plain"]
     assert sharded["speculative"] == one["speculative"] == one["plain"]
     assert sharded["draft_vocab"] == one["draft_vocab"] == one["plain"]
+    assert sharded["streamed"] == one["streamed"] == one["plain"]  # the last step's tokens, handed to the host
 
 
 def test_params_and_caches_really_are_sharded(sharded_results):
