@@ -23,9 +23,10 @@ def temporary_name(path: str | Path) -> Path:
 
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Yields the temporary path to write `path` to; renames it onto `path` when the block ends
-    normally and removes it when the block raises (KeyboardInterrupt included)."""
+    """Yields the temporary path to write `path` to (its folder made if missing); renames it onto `path`
+    when the block ends normally and removes it when the block raises (KeyboardInterrupt included)."""
     tmp = temporary_name(path)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
     try:
         yield tmp
         os.replace(tmp, path)

@@ -195,13 +195,14 @@ def _generate(args: argparse.Namespace) -> int:
         compile_s += out.compile_seconds
         run_s += out.run_seconds
         for i, tokens in zip(group, out.tokens):
+            if printer:  # the text is on the screen already, but for what the last step left held back
+                printer.show(tokens, final=True)
+                print()
+                continue
             text = tokenizer.decode(tokens, skip_special_tokens=True)
             if args.json:
                 print(json.dumps({"prompt": texts[i], "text": text, "tokens": tokens, "num_tokens": len(tokens)},
                                  ensure_ascii=False))
-            elif printer:
-                printer.show(tokens, final=True)
-                print()
             else:
                 if i:
                     print("---")

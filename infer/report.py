@@ -198,7 +198,6 @@ def plot(rows: list[Row], out: str, shape: dict | None = None) -> None:
     if curves:  # beside the panel: with many rows a legend inside would hide the curves
         axes[-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1), ncol=1 + len(curves) // 16)
     fig.tight_layout()
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(out) as tmp:  # the format from out's own suffix: the temporary's is .tmp
         fig.savefig(tmp, dpi=110, bbox_inches="tight", format=Path(out).suffix[1:].lower() or "png")
     plt.close(fig)
@@ -217,5 +216,4 @@ def check_plot_format(out: str) -> None:
 
 def write_json(result: dict, out: str) -> None:
     """Written whole or not at all: a killed run leaves no truncated file."""
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
     write_text(out, json.dumps(result, indent=2) + "\n")

@@ -121,3 +121,5 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
         assert tmp.parent == tmp_path and path.read_text() == "old\n"
         tmp.write_text("new\n")
     assert path.read_text() == "new\n" and sorted(p.name for p in tmp_path.iterdir()) == ["meta.json"]
+    write_text(tmp_path / "made" / "deeper" / "x.json", "{}\n")  # a missing folder is made
+    assert (tmp_path / "made" / "deeper" / "x.json").read_text() == "{}\n"

@@ -93,7 +93,6 @@ def split_files(files: Iterable[str]) -> dict[str, list[str]]:
 def write_split(out_dir: str | os.PathLike) -> pathlib.Path:
     """Write `split.json` (root, Python version, file lists) into `out_dir` so the split can be redone."""
     out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     record = {"stdlib": str(stdlib_root()), "python": sys.version.split()[0], **split_files(list_files())}
     path = out / "split.json"
     write_text(path, json.dumps(record, indent=1) + "\n")
@@ -173,7 +172,6 @@ def load_or_encode(data_dir: str | os.PathLike, tokenizer_json: str | os.PathLik
     if cache.is_file():
         return np.load(cache, allow_pickle=False)
     tokens = encode_split(tok, files, eos_id)
-    cache.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(cache) as tmp, open(tmp, "wb") as f:  # a killed run leaves no truncated cache
         np.save(f, tokens, allow_pickle=False)
     return tokens

@@ -127,7 +127,6 @@ for evaluation; head training takes its prompts from the train split). Which def
 def write_jsonl(prompts: list[dict], out) -> pathlib.Path:
     """One JSON object per line, UTF-8 kept as is (not \\u-escaped) so the file reads like the source."""
     path = pathlib.Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
     write_text(path, "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in prompts))
     return path
 
