@@ -263,8 +263,8 @@ def _benchmark(args: argparse.Namespace) -> int:
     prompt_file = args.prompts or path / "prompts.jsonl"
     if args.prompts is None and not Path(prompt_file).is_file():
         raise CloverError(f"no prompts file at {prompt_file}; pass --prompts FILE")
-    texts = cli.read_prompts(prompt_file)[: args.num_prompts]
-    prompts = [cli.encode(tokenizer, t, chat=args.chat, bos_id=cfg.bos_token_id, system=args.system) for t in texts]
+    texts = cli.read_prompt_turns(prompt_file)[: args.num_prompts]
+    prompts = cli.encode_prompts(tokenizer, texts, args.chat, args.system, cfg.bos_token_id)
     mesh = make_mesh(args.mesh) if args.mesh else None
     _, model = load_pretrained(path, dtype=DTYPES[args.dtype], mesh=mesh)
     heads_root = Path(args.heads_root) if args.heads_root else path / "heads"

@@ -79,9 +79,41 @@ def read_records(path: str | Path) -> list[tuple[dict, str]]:
     return records
 
 
+def record_system(record) -> str | None:
+    """A record's own system turn: a top-level "system" string, or a ShareGPT {"from": "system"} turn."""
+    if not isinstance(record, dict):
+        return None
+    if isinstance(record.get("system"), str):
+        return record["system"]
+    conv = record.get("conversations")
+    for turn in conv if isinstance(conv, list) else ():
+        if isinstance(turn, dict) and turn.get("from") == "system" and isinstance(turn.get("value"), str):
+            return turn["value"]
+    return None
+
+
+def read_prompt_turns(path: str | Path) -> list[tuple[str, str | None]]:
+    """(text, the record's own system turn or None) per record of a prompts file (see `read_records`,
+    and `first_prompt` for the record formats)."""
+    return [(first_prompt(record, where), record_system(record)) for record, where in read_records(path)]
+
+
 def read_prompts(path: str | Path) -> list[str]:
-    """Prompt texts of a prompts file (see `read_records`, and `first_prompt` for the record formats)."""
-    return [first_prompt(record, where) for record, where in read_records(path)]
+    """The prompt texts of a prompts file (`read_prompt_turns` without the system turns)."""
+    return [text for text, _ in read_prompt_turns(path)]
+
+
+def prompt_system(own: str | None, chat: bool, system: str | None) -> str | None:
+    """The system turn a prompt is rendered with: under --chat its record's own when it has one (the
+    conversation was written under it), else --system; without --chat there are no turns to keep."""
+    return own if chat and own is not None else system
+
+
+def encode_prompts(tokenizer, prompts: list[tuple[str, str | None]], chat: bool, system: str | None,
+                   bos_id: int | None) -> list[list[int]]:
+    """Token ids of `read_prompt_turns`' (text, own system) pairs under --chat and --system (`encode`)."""
+    return [encode(tokenizer, text, chat=chat, bos_id=bos_id, system=prompt_system(own, chat, system))
+            for text, own in prompts]
 
 
 def load_tokenizer(path: Path):
@@ -101,12 +133,27 @@ def add_chat_flags(p, chat_help: str = "wrap each prompt as a user turn in the t
     """--chat and --system: how a chat model (Vicuna, Llama-3-Instruct) is prompted."""
     p.add_argument("--chat", action="store_true", help=chat_help)
     p.add_argument("--system", metavar="TEXT",
-                   help="with --chat: a system turn before each prompt (default: none, the template's own)")
+                   help="with --chat: a system turn before each prompt whose record has none of its own (a "
+                        "top-level \"system\" or a ShareGPT system turn, which is kept) (default: none, the "
+                        "template's own)")
 
 
 def chat_turns(text: str, system: str | None = None) -> list[dict]:
     """The messages a prompt becomes under --chat: a system turn when given, then the user's."""
     return ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": text}]
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    """The text of `messages` under the tokenizer's chat template, or one error line: no template, or
+    the template's own refusal (jinja2's raise_exception, e.g. a system turn Mistral's will not take)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise CloverError("--chat: the tokenizer has no chat template; drop --chat or use a chat model's tokenizer")
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # noqa: BLE001 - a template's own refusal
+        hint = ("; it may take no system turn: drop --system, or the records' system turns"
+                if any(m["role"] == "system" for m in messages) else "")
+        raise CloverError(f"--chat: the tokenizer's chat template refused the prompt: {e}{hint}") from None
 
 
 def encode(tokenizer, text: str, chat: bool = False, bos_id: int | None = None,
@@ -121,13 +168,7 @@ def encode(tokenizer, text: str, chat: bool = False, bos_id: int | None = None,
     if system is not None and not chat:
         raise CloverError("--system is a turn of the chat template; add --chat")
     if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise CloverError("--chat: the tokenizer has no chat template; drop --chat or use a chat model's tokenizer")
-        try:
-            text = tokenizer.apply_chat_template(chat_turns(text, system), tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # noqa: BLE001 - a template's own refusal (jinja2's raise_exception)
-            raise CloverError(f"--chat: the tokenizer's chat template refused the prompt: {e}"
-                              + ("; drop --system" if system is not None else "")) from None
+        text = render_chat(tokenizer, chat_turns(text, system), add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         ids = tokenizer(text, add_special_tokens=True)["input_ids"]

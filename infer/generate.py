@@ -40,7 +40,8 @@ examples:
 
 A prompts file holds one JSON object per line: {"prompt": ...}, Spec-Bench's {"turns": [...]}
 (the first turn is used) or ShareGPT's {"conversations": [...]} (the first human turn); a ShareGPT
-JSON array is read too.
+JSON array is read too. With --chat, a record's own system turn (ShareGPT's, or a top-level "system")
+comes before its prompt; --system stands in for it in records without one.
 """
 
 
@@ -167,8 +168,8 @@ def _generate(args: argparse.Namespace) -> int:
     path = cli.model_dir(args.model)
     cfg = ModelConfig.from_pretrained(path)
     tokenizer = cli.load_tokenizer(path)
-    texts = [args.prompt] if args.prompt is not None else cli.read_prompts(args.prompts)
-    prompts = [cli.encode(tokenizer, t, chat=args.chat, bos_id=cfg.bos_token_id, system=args.system) for t in texts]
+    texts = [(args.prompt, None)] if args.prompt is not None else cli.read_prompt_turns(args.prompts)
+    prompts = cli.encode_prompts(tokenizer, texts, args.chat, args.system, cfg.bos_token_id)
     eos = cli.eos_ids(path, cfg, tokenizer)
     size = args.batch_size if args.batch_size is not None else 1 if args.stream else 8
     groups = cli.batches(list(range(len(prompts))), size)
@@ -201,7 +202,7 @@ def _generate(args: argparse.Namespace) -> int:
                 continue
             text = tokenizer.decode(tokens, skip_special_tokens=True)
             if args.json:
-                print(json.dumps({"prompt": texts[i], "text": text, "tokens": tokens, "num_tokens": len(tokens)},
+                print(json.dumps({"prompt": texts[i][0], "text": text, "tokens": tokens, "num_tokens": len(tokens)},
                                  ensure_ascii=False))
             else:
                 if i:

@@ -221,11 +221,33 @@ def test_chat_applies_the_template(model_dir, hf_tok, library, capsys):
     assert json.loads(out)["tokens"] == library([ids])[0]
 
 
+def test_a_records_own_system_turn_is_kept_under_chat(model_dir, hf_tok, library, tmp_path, capsys):
+    """ShareGPT's system turn (or a top-level "system") is part of the conversation: under --chat it comes
+    before the prompt, and --system fills in only for records without one; raw text has no turns."""
+    records = [{"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "hi"}]},
+               {"prompt": "hi", "system": "be kind"}, {"prompt": "hi"}]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert cli.read_prompt_turns(path) == [("hi", "be brief"), ("hi", "be kind"), ("hi", None)]
+    assert cli.read_prompts(path) == ["hi"] * 3
+    code, out, _ = run_cli(capsys, "--model", model_dir, "--prompts", path, "--chat", "--system", "be fast",
+                           "--max-new-tokens", NEW, "--json")
+    assert code == 0
+    for row, system in zip(map(json.loads, out.splitlines()), ("be brief", "be kind", "be fast")):
+        ids = cli.encode(hf_tok, "hi", chat=True, system=system)
+        assert hf_tok.decode(ids) == f"{system}\n\n### User:\nhi\n### Assistant:\n"
+        assert row["tokens"] == library([ids])[0]
+    code, out, _ = run_cli(capsys, "--model", model_dir, "--prompts", path, "--max-new-tokens", NEW, "--json")
+    assert code == 0
+    assert [json.loads(line)["tokens"] for line in out.splitlines()] == library([hf_tok("hi")["input_ids"]] * 3)
+
+
 def test_a_template_that_refuses_a_system_turn_is_one_line(hf_tok, monkeypatch):
     """Some templates (Mistral's, Gemma's) raise on a system turn: that is the user's error, in one line."""
     refusing = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
     monkeypatch.setattr(hf_tok, "chat_template", refusing)
-    with pytest.raises(CloverError, match=r"refused the prompt: System role not supported; drop --system$") as e:
+    needle = r"refused the prompt: System role not supported; it may take no system turn: drop --system"
+    with pytest.raises(CloverError, match=needle) as e:
         cli.encode(hf_tok, "hi", chat=True, system="be brief")
     assert "\n" not in str(e.value)
 

@@ -143,25 +143,69 @@ def test_self_mode_responses_are_the_generators(self_dir, hf_tok, model):
 
 def test_chat_sharegpt_fixed_response_is_the_templates_assistant_turn(model_dir, hf_tok, tmp_path, capsys):
     path = tmp_path / "sharegpt.json"
-    path.write_text(json.dumps([RECORDS[3]]))
+    path.write_text(json.dumps([RECORDS[3], {"prompt": "for i in", "response": " range(10):\n    print(i)\n"}]))
     code, out, _ = run(capsys, "--base", model_dir, "--prompts", path, "--out", tmp_path / "d", "--mode", "fixed",
+                       "--chat", "--system", "be kind")
+    assert code == 0 and "wrote 2 examples" in out
+    # The conversation keeps its own system turn; --system stands in for it in the record without one.
+    for (tokens, mask), system in zip(_examples(tmp_path / "d"), ("be brief", "be kind")):
+        p = cli.encode(hf_tok, "for i in", chat=True, system=system)
+        assert hf_tok.decode(p) == f"{system}\n\n### User:\nfor i in\n### Assistant:\n"
+        assert tokens[: len(p)] == p and mask == [0] * len(p) + [1] * (len(tokens) - len(p))
+        assert hf_tok.decode(tokens[len(p):]) == " range(10):\n    print(i)\n<|endoftext|>"
+    meta = json.loads((tmp_path / "d" / "meta.json").read_text())
+    assert meta["system"] == "be kind" and meta["turns"] == "all" and meta["hidden_dtype"] is None
+    assert not (tmp_path / "d" / "hidden.npy").exists()
+
+
+def test_chat_sharegpt_fixed_trains_on_every_assistant_turn(hf_tok, tmp_path, capsys):
+    """A conversation is one example: each assistant turn masked in, after the turns before it, exactly as
+    the template renders the whole conversation; what breaks the human/gpt order ends it."""
+    model_dir = tiny_llama_checkpoint(tmp_path / "model", max_position_embeddings=128)  # room for two exchanges
+    turns = [("human", "def add(a, b):"), ("gpt", "\n    return a + b\n"), ("human", "and sub?"),
+             ("gpt", "def sub(a, b):\n    return a - b\n"), ("gpt", "dropped: a second reply in a row"),
+             ("human", "dropped too")]
+    path = tmp_path / "multi.jsonl"
+    path.write_text(json.dumps({"conversations": [{"from": f, "value": v} for f, v in turns]}) + "\n")
+    code, out, _ = run(capsys, "--base", model_dir, "--prompts", path, "--out", tmp_path / "all", "--mode", "fixed",
                        "--chat")
     assert code == 0 and "wrote 1 examples" in out
-    [(tokens, mask)] = _examples(tmp_path / "d")
-    p = cli.encode(hf_tok, "for i in", chat=True)
-    assert tokens[: len(p)] == p and mask == [0] * len(p) + [1] * (len(tokens) - len(p))
-    assert hf_tok.decode(tokens[len(p):]) == " range(10):\n    print(i)\n<|endoftext|>"
-    assert json.loads((tmp_path / "d" / "meta.json").read_text())["hidden_dtype"] is None
-    assert not (tmp_path / "d" / "hidden.npy").exists()
-    # --system: the same turn before every prompt, and the same assistant turn after it
-    code, out, _ = run(capsys, "--base", model_dir, "--prompts", path, "--out", tmp_path / "s", "--mode", "fixed",
-                       "--chat", "--system", "be brief")
-    assert code == 0 and "wrote 1 examples" in out
-    [(tokens, _)] = _examples(tmp_path / "s")
-    p = cli.encode(hf_tok, "for i in", chat=True, system="be brief")
-    assert hf_tok.decode(tokens[:len(p)]).startswith("be brief\n\n### User:\nfor i in")
-    assert tokens[: len(p)] == p and hf_tok.decode(tokens[len(p):]) == " range(10):\n    print(i)\n<|endoftext|>"
-    assert json.loads((tmp_path / "s" / "meta.json").read_text())["system"] == "be brief"
+    [(tokens, mask)] = _examples(tmp_path / "all")
+    messages = [{"role": "user" if f == "human" else "assistant", "content": v} for f, v in turns[:4]]
+    whole = hf_tok.apply_chat_template(messages, tokenize=False)
+    assert hf_tok.decode(tokens) == whole[: whole.rindex("<|endoftext|>") + len("<|endoftext|>")]
+    spans, start = [], None  # the masked spans, as text
+    for i, m in enumerate(mask + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append(hf_tok.decode(tokens[start:i]))
+            start = None
+    assert spans == ["\n    return a + b\n<|endoftext|>", "def sub(a, b):\n    return a - b\n<|endoftext|>"]
+    # --turns first: the first exchange alone, as before; --turns all without --chat is refused.
+    code, _, _ = run(capsys, "--base", model_dir, "--prompts", path, "--out", tmp_path / "first", "--mode", "fixed",
+                     "--chat", "--turns", "first")
+    [(first, first_mask)] = _examples(tmp_path / "first")
+    assert code == 0 and first == tokens[: len(first)] and first_mask == mask[: len(first)]
+    assert hf_tok.decode(first).endswith("return a + b\n<|endoftext|>")
+    assert json.loads((tmp_path / "first" / "meta.json").read_text())["turns"] == "first"
+    code, _, err = run(capsys, "--base", model_dir, "--prompts", path, "--out", tmp_path / "raw", "--mode", "fixed",
+                       "--turns", "all")
+    assert code == 2 and err.count("\n") == 1 and "add --mode fixed and --chat" in err
+
+
+def test_a_template_that_rewrites_earlier_turns_is_one_line(hf_tok, monkeypatch):
+    """Turns are masked apart by rendering the conversation turn by turn; a template whose rendering of
+    turn 2 changes turn 1's text (here: only the last assistant turn keeps its text) cannot be."""
+    rewriting = ("{% for m in messages %}{{ m['role'] }}: "
+                 "{% if m['role'] == 'assistant' and not loop.last %}...{% else %}{{ m['content'] }}{% endif %}"
+                 "{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    monkeypatch.setattr(hf_tok, "chat_template", rewriting)
+    with pytest.raises(CloverError, match="f:1: the chat template rewrites earlier turns when it renders turn 2") as e:
+        make_data.encode_conversation(hf_tok, (("a", "b"), ("c", "d")), None, (0,), "f:1")
+    assert "\n" not in str(e.value)
+    ids, mask = make_data.encode_conversation(hf_tok, (("a", "b"),), None, (0,), "f:1")
+    assert hf_tok.decode(ids) == "user: a\nassistant: b\n" and sum(mask) > 0
 
 
 def test_batches_are_a_function_of_seed_and_step(fixed_dir, self_dir):

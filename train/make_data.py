@@ -10,13 +10,16 @@ A prompts file holds `{"prompt": ..., "response": ...}` records (the response on
 Spec-Bench `{"turns": [...]}` records (self mode) or ShareGPT `{"conversations": [...]}` records, one
 JSON object per line or one JSON array; a ShareGPT record's prompt is its first human turn and its
 response the gpt/assistant turn right after. With `--chat` the prompt is rendered as a user turn of
-the tokenizer's chat template, and a fixed response as the template writes the assistant turn (so it
-ends with the template's EOS, as a self-distilled response does).
+the tokenizer's chat template, after the record's own system turn (ShareGPT's, or a top-level
+"system") or else `--system`, and a fixed response as the template writes the assistant turn (so it
+ends with the template's EOS, as a self-distilled response does). In fixed mode with `--chat` a
+ShareGPT conversation is one example by default (`--turns all`, as Medusa and EAGLE train): the whole
+conversation as the template renders it, with every assistant turn in the loss.
 
 The output directory (`train.data.HeadDataset` reads it):
   tokens.npy     int32 [N]        every example's prompt + response ids, concatenated
   offsets.npy    int64 [E + 1]    example e is tokens[offsets[e]:offsets[e + 1]]
-  loss_mask.npy  uint8 [N]        1 on response tokens, 0 on prompt tokens
+  loss_mask.npy  uint8 [N]        1 on response (assistant) tokens, 0 on prompt (and user) tokens
   hidden.npy     [N, D] float16 or bfloat16 (with --store-hidden; bfloat16 is stored as raw 2-byte
                  'V2' records: view it as `ml_dtypes.bfloat16`): the base model's last hidden state
                  before the final norm at every token, from one causal forward over the whole example
@@ -27,6 +30,7 @@ Every file is written under a temporary name and renamed into place.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import sys
@@ -51,44 +55,93 @@ from infer import cli
 from train.data import FILES, HIDDEN_DTYPES, META
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_USER = ("human", "user")
 _ASSISTANT = ("gpt", "assistant", "chatgpt")
 
 
-def _record_example(record, where: str) -> tuple[str, str | None]:
-    """(prompt, response or None) of one record; the prompt is found as `infer.cli` finds it."""
-    prompt = cli.first_prompt(record, where)
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """One record of a prompts file: its first user turn, its (user, assistant) exchanges when it has
+    responses, and its own system turn."""
+    prompt: str
+    exchanges: tuple[tuple[str, str], ...]
+    system: str | None
+    where: str
+
+
+def _exchanges(record) -> tuple[tuple[str, str], ...]:
+    """A record's {"response"} after its prompt, or a ShareGPT conversation's human/gpt pairs from its
+    first human turn for as long as they alternate (what follows a break in the order is dropped)."""
     if isinstance(record.get("response"), str):
-        return prompt, record["response"]
+        return ((cli.first_prompt(record, ""), record["response"]),)
     conv = record.get("conversations")
-    if isinstance(conv, list):
-        first = next((i for i, t in enumerate(conv) if isinstance(t, dict) and t.get("from") in ("human", "user")),
-                     len(conv))
-        reply = conv[first + 1] if first + 1 < len(conv) else None
-        if isinstance(reply, dict) and reply.get("from") in _ASSISTANT and isinstance(reply.get("value"), str):
-            return prompt, reply["value"]
-    return prompt, None
+    turns = [t for t in conv if isinstance(t, dict) and isinstance(t.get("value"), str)] \
+        if isinstance(conv, list) else []
+    first = next((i for i, t in enumerate(turns) if t.get("from") in _USER), len(turns))
+    pairs = []
+    for user, reply in zip(turns[first::2], turns[first + 1::2]):
+        if user.get("from") not in _USER or reply.get("from") not in _ASSISTANT:
+            break
+        pairs.append((user["value"], reply["value"]))
+    return tuple(pairs)
 
 
-def read_examples(path: str | Path) -> list[tuple[str, str | None, str]]:
-    """(prompt, response or None, where) per record of a JSONL file or a JSON array (see the module
-    docstring for the record formats); `where` names the record in error messages."""
-    return [(*_record_example(r, where), where) for r, where in cli.read_records(path)]
+def read_examples(path: str | Path) -> list[Record]:
+    """The records of a JSONL file or a JSON array (see the module docstring for the formats); each
+    names itself ("file:line") for error messages."""
+    return [Record(cli.first_prompt(r, where), _exchanges(r), cli.record_system(r), where)
+            for r, where in cli.read_records(path)]
 
 
-def encode_response(tokenizer, prompt: str, response: str, chat: bool, eos: tuple[int, ...],
-                    system: str | None = None) -> list[int]:
-    """Ids of a given response. With `chat`, the assistant turn as the chat template renders it after
-    the prompt's generation opening, cut after its first EOS (nothing the model would generate follows)."""
-    if not chat:
-        return [int(i) for i in tokenizer(response, add_special_tokens=False)["input_ids"]]
-    user = cli.chat_turns(prompt, system)
-    opening = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
-    full = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": response}], tokenize=False)
-    # A template that does not extend its own generation opening: fall back to the text plus EOS.
-    tail = full[len(opening):] if full.startswith(opening) else response + (tokenizer.eos_token or "")
-    ids = [int(i) for i in tokenizer(tail, add_special_tokens=False)["input_ids"]]
-    ends = [k for k, t in enumerate(ids) if t in eos]
-    return ids[: ends[0] + 1] if ends else ids
+def encode_conversation(tokenizer, exchanges, system: str | None, eos: tuple[int, ...],
+                        where: str) -> tuple[list[int], list[int]]:
+    """(ids, loss mask) of exchanges rendered by the chat template, as the model sees the conversation
+    at each turn: mask 1 on every assistant turn as the template writes it, up to its first EOS (what
+    follows is the template's, not the model's), 0 elsewhere.
+
+    Each turn's text is the rendering of the conversation so far less the rendering before it, so a
+    template must render a conversation turn by turn (every known chat template does); one that
+    rewrites earlier turns is refused for a conversation of several exchanges."""
+    messages: list[dict] = []
+    ids: list[int] = []
+    mask: list[int] = []
+    done = ""
+    for k, (user, reply) in enumerate(exchanges):
+        messages += cli.chat_turns(user, system if k == 0 else None)
+        opening = cli.render_chat(tokenizer, messages, add_generation_prompt=True)
+        messages.append({"role": "assistant", "content": reply})
+        full = cli.render_chat(tokenizer, messages)
+        if len(exchanges) == 1 and not full.startswith(opening):
+            # A template that does not extend its own generation opening: the text plus EOS.
+            full = opening + reply + (tokenizer.eos_token or "")
+        if not (opening.startswith(done) and full.startswith(opening)):
+            raise CloverError(f"{where}: the chat template rewrites earlier turns when it renders turn {k + 1}, so "
+                              "the turns cannot be masked apart; use --turns first")
+        prompt = tokenizer(opening[len(done):], add_special_tokens=False)["input_ids"]
+        answer = tokenizer(full[len(opening):], add_special_tokens=False)["input_ids"]
+        cut = next((i + 1 for i, t in enumerate(answer) if t in eos), len(answer))
+        rest = answer[cut:] if k + 1 < len(exchanges) else []  # the last turn's ends the example
+        ids += prompt + answer[:cut] + rest
+        mask += [0] * len(prompt) + [1] * cut + [0] * len(rest)
+        done = full
+    return [int(i) for i in ids], mask
+
+
+def fixed_example(tokenizer, record: Record, chat: bool, system: str | None, eos: tuple[int, ...],
+                  all_turns: bool, bos_id: int | None) -> tuple[list[int], list[int]]:
+    """(ids, loss mask) of a record's given responses: with `chat` the chat template's rendering of its
+    first exchange or, with `all_turns`, of all of them; without, the prompt's ids then the response's."""
+    if not record.exchanges:
+        raise CloverError(f"{record.where}: no response in the record; --mode fixed needs "
+                          "{\"prompt\": ..., \"response\": ...} or ShareGPT conversations with a gpt turn "
+                          "after the first human turn (or use --mode self)")
+    if chat:
+        exchanges = record.exchanges if all_turns else record.exchanges[:1]
+        return encode_conversation(tokenizer, exchanges, cli.prompt_system(record.system, chat, system), eos,
+                                   record.where)
+    prompt = cli.encode(tokenizer, record.prompt, bos_id=bos_id, system=system)
+    answer = [int(i) for i in tokenizer(record.exchanges[0][1], add_special_tokens=False)["input_ids"]]
+    return prompt + answer, [0] * len(prompt) + [1] * len(answer)
 
 
 def _check_ids(ids: list[int], vocab: int, where: str) -> None:
@@ -171,7 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "loss mask on the response part and, optionally, the base model's hidden states.",
         epilog="Prompt records: {\"prompt\": ..., \"response\": ...}, Spec-Bench {\"turns\": [...]} (self mode) "
                "or ShareGPT {\"conversations\": [...]} (first human turn -> prompt, the gpt turn after it -> "
-               "response), one JSON object per line or a JSON array.")
+               "response; with --mode fixed --chat every human/gpt exchange, see --turns; a system turn is kept "
+               "under --chat), one JSON object per line or a JSON array.")
     p.add_argument("--base", required=True, metavar="DIR",
                    help="the base model: a Hugging Face checkpoint directory with its tokenizer files")
     p.add_argument("--prompts", required=True, metavar="FILE", help="JSONL (or JSON array) file of records")
@@ -190,6 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="self mode: sampling temperature; 0 is greedy (default: %(default)s)")
     cli.add_chat_flags(p, "render each prompt (and a fixed response) with the tokenizer's chat template")
+    p.add_argument("--turns", choices=("first", "all"),
+                   help="--mode fixed --chat: train on every assistant turn of a ShareGPT conversation, each after "
+                        "the turns before it, as the chat template renders the whole conversation (all), or on "
+                        "the first exchange only (first); otherwise only the first exchange is used (default: "
+                        "all with --mode fixed --chat)")
     p.add_argument("--store-hidden", choices=("none",) + tuple(HIDDEN_DTYPES), default="none",
                    help="also store the base model's last hidden state (before the final norm) at every token "
                         "in this dtype, so training need not run the base model (default: %(default)s)")
@@ -217,47 +276,47 @@ def make_data(args: argparse.Namespace) -> int:
     if not 2 <= max_len <= cfg.max_position_embeddings:
         raise CloverError(f"--max-len {max_len} must be in [2, {cfg.max_position_embeddings}] (a prompt token plus "
                           "a response token, at most the model's max_position_embeddings)")
+    if args.turns == "all" and not (args.mode == "fixed" and args.chat):
+        raise CloverError("--turns all takes every assistant turn of a fixed conversation as the chat template "
+                          "renders it; add --mode fixed and --chat, or drop --turns")
+    all_turns = args.turns != "first" and args.mode == "fixed" and args.chat
     records = read_examples(args.prompts)[: args.limit]
     tokenizer = cli.load_tokenizer(base_dir)
     eos = cli.eos_ids(base_dir, cfg, tokenizer)
 
-    prompts = []
-    for text, _, where in records:
-        ids = cli.encode(tokenizer, text, chat=args.chat, bos_id=cfg.bos_token_id, system=args.system)
-        _check_ids(ids, cfg.vocab_size, where)
-        if len(ids) >= max_len:
-            raise CloverError(f"{where}: the prompt is {len(ids)} tokens, leaving no room for a response in "
-                              f"--max-len {max_len}; shorten it, drop the record or raise --max-len")
-        prompts.append(ids)
     if args.mode == "fixed":
-        responses = []
-        for text, response, where in records:
-            if response is None:
-                raise CloverError(f"{where}: no response in the record; --mode fixed needs "
-                                  "{\"prompt\": ..., \"response\": ...} or ShareGPT conversations with a gpt turn "
-                                  "after the first human turn (or use --mode self)")
-            ids = encode_response(tokenizer, text, response, args.chat, eos, args.system)
-            _check_ids(ids, cfg.vocab_size, where)
-            responses.append(ids)
+        examples = [fixed_example(tokenizer, r, args.chat, args.system, eos, all_turns, cfg.bos_token_id)
+                    for r in records]
+    else:
+        examples = [(cli.encode(tokenizer, r.prompt, chat=args.chat, bos_id=cfg.bos_token_id,
+                                system=cli.prompt_system(r.system, args.chat, args.system)), []) for r in records]
+    for (ids, mask), record in zip(examples, records):
+        _check_ids(ids, cfg.vocab_size, record.where)
+        prompt = mask.index(1) if 1 in mask else len(ids)
+        if prompt >= max_len:
+            raise CloverError(f"{record.where}: the prompt is {prompt} tokens, leaving no room for a response in "
+                              f"--max-len {max_len}; shorten it, drop the record or raise --max-len")
 
     mesh = make_mesh(args.mesh) if args.mesh else None
     _, model = load_pretrained(base_dir, dtype=DTYPES[args.dtype], mesh=mesh)
     out = Path(args.out)
     _prepare_out(out)
     if args.mode == "self":
+        prompts = [ids for ids, _ in examples]
         responses = self_distill(model, prompts, args.max_new_tokens, max_len, args.batch_size, sampling,
                                  args.seed, eos, mesh)
-    examples = [(p, r[: max_len - len(p)]) for p, r in zip(prompts, responses)]
-    empty = sum(1 for _, r in examples if not r)
-    examples = [(p, r) for p, r in examples if r]
+        examples = [(p + r, [0] * len(p) + [1] * len(r)) for p, r in zip(prompts, responses)]
+    examples = [(ids[:max_len], mask[:max_len]) for ids, mask in examples]  # a fixed response is cut to fit
+    empty = sum(1 for _, mask in examples if not any(mask))
+    examples = [(ids, mask) for ids, mask in examples if any(mask)]
     if not examples:
         raise CloverError(f"{args.prompts}: every response is empty; nothing to train on")
     if empty:
         print(f"skipped {empty} records with an empty response", file=sys.stderr)
 
-    tokens = np.concatenate([np.asarray(p + r, np.int32) for p, r in examples])
-    mask = np.concatenate([np.repeat(np.uint8([0, 1]), [len(p), len(r)]) for p, r in examples])
-    offsets = np.concatenate([[0], np.cumsum([len(p) + len(r) for p, r in examples])]).astype(np.int64)
+    tokens = np.concatenate([np.asarray(ids, np.int32) for ids, _ in examples])
+    mask = np.concatenate([np.asarray(m, np.uint8) for _, m in examples])
+    offsets = np.concatenate([[0], np.cumsum([len(ids) for ids, _ in examples])]).astype(np.int64)
     hidden_dtype = None if args.store_hidden == "none" else args.store_hidden
     if hidden_dtype:
         with atomic_path(out / "hidden.npy") as tmp:
@@ -273,8 +332,8 @@ def make_data(args: argparse.Namespace) -> int:
             "hidden_size": cfg.hidden_size, "num_examples": len(examples), "num_tokens": int(len(tokens)),
             "num_response_tokens": int(mask.sum()), "mode": args.mode, "max_len": max_len,
             "hidden_dtype": hidden_dtype, "prompts_file": str(args.prompts), "created_by": "train.make_data",
-            "chat": args.chat, "system": args.system, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
-            "temperature": args.temperature, "seed": args.seed}
+            "chat": args.chat, "system": args.system, "turns": "all" if all_turns else "first", "dtype": args.dtype,
+            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed}
     write_text(out / META, json.dumps(meta, indent=2) + "\n")
     print(f"wrote {len(examples)} examples ({len(tokens)} tokens, {meta['num_response_tokens']} in responses) "
           f"to {out}")
