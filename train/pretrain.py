@@ -32,7 +32,7 @@ from clover_jax.files import copy_file, write_text
 from clover_jax.model import Llama, causal_self_mask
 from infer import cli
 from train import corpus
-from train.runs import MetricsLog, pin_run, restore_latest, stop_on_interrupt
+from train.runs import MetricsLog, pin_run, restore_latest, stop_due, stop_on_interrupt
 from train.tokenizer import EOS_TOKEN, save_tokenizer, train_tokenizer
 
 
@@ -179,8 +179,7 @@ def run(args) -> int:
                     bar.write(f"step {done}: " + ", ".join(f"{k}={v:.4f}" for k, v in held_out_eval(done).items()))
                 if done % args.ckpt_every == 0 or done == args.steps:
                     manager.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
-                out_of_time = args.max_minutes and time.time() - t_start > args.max_minutes * 60
-                if (out_of_time or done == args.stop_after or interrupt.is_set()) and done < args.steps:
+                if stop_due(done, args, t_start, interrupt):
                     if done % args.ckpt_every:
                         manager.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
                     manager.wait_until_finished()

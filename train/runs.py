@@ -63,6 +63,13 @@ def stop_on_interrupt() -> Iterator[threading.Event]:
         signal.signal(signal.SIGINT, previous)
 
 
+def stop_due(done: int, args, started: float, interrupt: threading.Event) -> bool:
+    """Whether a run stops cleanly after step `done`, short of its last: --stop-after reached, its
+    --max-minutes since `started` spent, or Ctrl-C (`stop_on_interrupt`)."""
+    out_of_time = args.max_minutes and time.time() - started > args.max_minutes * 60
+    return bool(out_of_time or done == args.stop_after or interrupt.is_set()) and done < args.steps
+
+
 def restore_latest(manager: ocp.CheckpointManager, state: dict) -> tuple[int, dict]:
     """(step, state) of the newest checkpoint, or (0, state) unchanged when there is none."""
     step = manager.latest_step()

@@ -35,7 +35,7 @@ from clover_jax.sharding import onto_mesh, put_batch, shard_module
 from infer import cli
 from train import losses
 from train.data import HeadDataset
-from train.runs import MetricsLog, pin_run, restore_latest, stop_on_interrupt
+from train.runs import MetricsLog, pin_run, restore_latest, stop_due, stop_on_interrupt
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -232,8 +232,7 @@ def run(args) -> int:
                               f"top5={[round(a, 3) for a in ev['val_top5']]} chain tau={ev['val_chain_tau']:.2f}")
             if done % args.ckpt_every == 0 or done == args.steps:
                 save(done, ev if done % args.eval_every == 0 or done == args.steps else {})
-            out_of_time = args.max_minutes and time.time() - t0 > args.max_minutes * 60
-            if (out_of_time or done == args.stop_after or interrupt.is_set()) and done < args.steps:
+            if stop_due(done, args, t0, interrupt):
                 if done % args.ckpt_every:
                     save(done, {})
                 last.wait_until_finished()
