@@ -191,7 +191,56 @@ def test_chat_sharegpt_fixed_trains_on_every_assistant_turn(hf_tok, tmp_path, ca
     assert json.loads((tmp_path / "first" / "meta.json").read_text())["turns"] == "first"
     code, _, err = run(capsys, "--base", model_dir, "--prompts", path, "--out", tmp_path / "raw", "--mode", "fixed",
                        "--turns", "all")
-    assert code == 2 and err.count("\n") == 1 and "add --mode fixed and --chat" in err
+    assert code == 2 and err.count("\n") == 1 and "add --chat, or drop --turns" in err
+
+
+def test_chat_self_mode_answers_every_user_turn_after_its_own_answers(hf_tok, tmp_path, capsys):
+    """Self mode: the model answers turn 1, then turn 2 after the conversation with its own answer rendered
+    by the template (as a chat application sends it back), and so on; the example is the last prompt plus
+    the last answer, every answer in the loss. Turn t's batches take the seeds after turn t-1's."""
+    model_dir = tiny_llama_checkpoint(tmp_path / "model", max_position_embeddings=128)
+    eos = tuple(range(1, hf_tok.vocab_size, 2))  # odd ids end an answer: short answers that end, sampled
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": list(eos)}))
+    records = [{"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "x = 1"},
+                                  {"from": "gpt", "value": "ignored in self mode"}, {"from": "human", "value": "y?"}]},
+               {"turns": ["a = 2", "b?", "c?"]}]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    code, _, _ = run(capsys, "--base", model_dir, "--prompts", path, "--out", tmp_path / "d", "--chat",
+                     "--batch-size=1", f"--max-new-tokens={NEW}", "--temperature=1", "--seed=3")
+    assert code == 0
+    model = load_pretrained(model_dir)[1]
+    gen = Generator(model, max_len=128)
+    eos = cli.eos_ids(model_dir, model.cfg, hf_tok)
+    sampling = SamplingConfig(temperature=1.0)
+    seeds = iter(range(3, 100))
+    conversations = [("be brief", ["x = 1", "y?"]), (None, ["a = 2", "b?", "c?"])]
+    expected = [None, None]
+    history = [[], []]
+    prompts = {i: cli.encode(hf_tok, users[0], chat=True, system=system) for i, (system, users) in
+               enumerate(conversations)}
+    masks = {i: [0] * len(p) for i, p in prompts.items()}
+    turns_answered = [0, 0]
+    for turn in range(3):
+        nxt = {}
+        for i, prompt in prompts.items():
+            reply = gen.generate([prompt], min(NEW, 128 - len(prompt)), sampling=sampling, seed=next(seeds),
+                                 eos_ids=eos).tokens[0]
+            expected[i] = (prompt + reply, masks[i] + [1] * len(reply))
+            turns_answered[i] += 1
+            system, users = conversations[i]
+            if turn + 1 < len(users) and reply[-1] in eos:
+                history[i].append((users[turn], hf_tok.decode(reply[:-1], skip_special_tokens=True)))
+                nxt[i] = make_data.encode_conversation(hf_tok, history[i], system, eos, "", then=users[turn + 1])
+        prompts = {i: ids for i, (ids, _) in nxt.items()}
+        masks = {i: mask for i, (_, mask) in nxt.items()}
+    assert turns_answered[0] == 2 and turns_answered[1] >= 2  # the seeds give answers that end in time
+    assert _examples(tmp_path / "d") == [tuple(e) for e in expected]
+    tokens, mask = expected[0]  # the system turn, both user turns, both answers in the loss
+    text = hf_tok.decode(tokens)
+    assert text.startswith("be brief\n\n### User:\nx = 1\n### Assistant:\n")
+    assert "<|endoftext|>\n### User:\ny?\n### Assistant:\n" in text
+    assert "".join(map(str, mask)).strip("0").count("10") == 1  # two runs of 1s
 
 
 def test_a_template_that_rewrites_earlier_turns_is_one_line(hf_tok, monkeypatch):

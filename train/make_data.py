@@ -12,9 +12,11 @@ JSON object per line or one JSON array; a ShareGPT record's prompt is its first 
 response the gpt/assistant turn right after. With `--chat` the prompt is rendered as a user turn of
 the tokenizer's chat template, after the record's own system turn (ShareGPT's, or a top-level
 "system") or else `--system`, and a fixed response as the template writes the assistant turn (so it
-ends with the template's EOS, as a self-distilled response does). In fixed mode with `--chat` a
-ShareGPT conversation is one example by default (`--turns all`, as Medusa and EAGLE train): the whole
-conversation as the template renders it, with every assistant turn in the loss.
+ends with the template's EOS, as a self-distilled response does). With `--chat` a conversation is
+one example by default (`--turns all`), with every assistant turn in the loss: in fixed mode a
+ShareGPT conversation as the template renders it (as Medusa and EAGLE train), in self mode the base
+model's answers to each user turn of a ShareGPT or Spec-Bench record in turn (as Medusa's
+self-distillation regenerates ShareGPT), each after its own earlier answers.
 
 The output directory (`train.data.HeadDataset` reads it):
   tokens.npy     int32 [N]        every example's prompt + response ids, concatenated
@@ -61,68 +63,79 @@ _ASSISTANT = ("gpt", "assistant", "chatgpt")
 
 @dataclasses.dataclass(frozen=True)
 class Record:
-    """One record of a prompts file: its first user turn, its (user, assistant) exchanges when it has
-    responses, and its own system turn."""
-    prompt: str
+    """One record of a prompts file: its user turns (the first is its prompt), its (user, assistant)
+    exchanges when it has responses, and its own system turn."""
+    users: tuple[str, ...]
     exchanges: tuple[tuple[str, str], ...]
     system: str | None
     where: str
 
 
-def _exchanges(record) -> tuple[tuple[str, str], ...]:
-    """A record's {"response"} after its prompt, or a ShareGPT conversation's human/gpt pairs from its
-    first human turn for as long as they alternate (what follows a break in the order is dropped)."""
+def _turns(record, where: str) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """(user turns, exchanges) of a record: {"prompt"} and its {"response"}; Spec-Bench's {"turns"}; or a
+    ShareGPT conversation's human and gpt turns from its first human turn for as long as they alternate
+    (what follows a break in the order is dropped)."""
+    prompt = cli.first_prompt(record, where)
     if isinstance(record.get("response"), str):
-        return ((cli.first_prompt(record, ""), record["response"]),)
+        return (prompt,), ((prompt, record["response"]),)
+    turns = record.get("turns")
+    if isinstance(turns, list) and turns and turns[0] == prompt:
+        return tuple(t for t in turns if isinstance(t, str)), ()
     conv = record.get("conversations")
-    turns = [t for t in conv if isinstance(t, dict) and isinstance(t.get("value"), str)] \
-        if isinstance(conv, list) else []
-    first = next((i for i, t in enumerate(turns) if t.get("from") in _USER), len(turns))
-    pairs = []
-    for user, reply in zip(turns[first::2], turns[first + 1::2]):
-        if user.get("from") not in _USER or reply.get("from") not in _ASSISTANT:
+    if not isinstance(conv, list):
+        return (prompt,), ()
+    conv = [t for t in conv if isinstance(t, dict) and isinstance(t.get("value"), str)]
+    conv = conv[next(i for i, t in enumerate(conv) if t.get("from") in _USER):]  # first_prompt found one
+    users, replies = [], []
+    for i, turn in enumerate(conv):
+        if turn.get("from") not in (_USER if i % 2 == 0 else _ASSISTANT):
             break
-        pairs.append((user["value"], reply["value"]))
-    return tuple(pairs)
+        (users if i % 2 == 0 else replies).append(turn["value"])
+    return tuple(users), tuple(zip(users, replies))
 
 
 def read_examples(path: str | Path) -> list[Record]:
     """The records of a JSONL file or a JSON array (see the module docstring for the formats); each
     names itself ("file:line") for error messages."""
-    return [Record(cli.first_prompt(r, where), _exchanges(r), cli.record_system(r), where)
-            for r, where in cli.read_records(path)]
+    return [Record(*_turns(r, where), cli.record_system(r), where) for r, where in cli.read_records(path)]
 
 
-def encode_conversation(tokenizer, exchanges, system: str | None, eos: tuple[int, ...],
-                        where: str) -> tuple[list[int], list[int]]:
-    """(ids, loss mask) of exchanges rendered by the chat template, as the model sees the conversation
-    at each turn: mask 1 on every assistant turn as the template writes it, up to its first EOS (what
-    follows is the template's, not the model's), 0 elsewhere.
+def encode_conversation(tokenizer, exchanges, system: str | None, eos: tuple[int, ...], where: str,
+                        then: str | None = None) -> tuple[list[int], list[int]]:
+    """(ids, loss mask) of (user, assistant) exchanges rendered by the chat template, as the model sees
+    the conversation at each turn: mask 1 on every assistant turn as the template writes it, up to its
+    first EOS (what follows is the template's, not the model's), 0 elsewhere. `then`, a last user turn,
+    ends the ids with the assistant's opening after it: the prompt for the next reply.
 
     Each turn's text is the rendering of the conversation so far less the rendering before it, so a
     template must render a conversation turn by turn (every known chat template does); one that
-    rewrites earlier turns is refused for a conversation of several exchanges."""
+    rewrites earlier turns is refused for a conversation of several turns."""
+    turns = list(exchanges) + ([(then, None)] if then is not None else [])
     messages: list[dict] = []
     ids: list[int] = []
     mask: list[int] = []
     done = ""
-    for k, (user, reply) in enumerate(exchanges):
+    for k, (user, reply) in enumerate(turns):
         messages += cli.chat_turns(user, system if k == 0 else None)
         opening = cli.render_chat(tokenizer, messages, add_generation_prompt=True)
-        messages.append({"role": "assistant", "content": reply})
-        full = cli.render_chat(tokenizer, messages)
-        if len(exchanges) == 1 and not full.startswith(opening):
+        full = "" if reply is None else cli.render_chat(tokenizer, messages + [{"role": "assistant", "content": reply}])
+        if len(turns) == 1 and reply is not None and not full.startswith(opening):
             # A template that does not extend its own generation opening: the text plus EOS.
             full = opening + reply + (tokenizer.eos_token or "")
-        if not (opening.startswith(done) and full.startswith(opening)):
+        if not (opening.startswith(done) and (reply is None or full.startswith(opening))):
             raise CloverError(f"{where}: the chat template rewrites earlier turns when it renders turn {k + 1}, so "
                               "the turns cannot be masked apart; use --turns first")
         prompt = tokenizer(opening[len(done):], add_special_tokens=False)["input_ids"]
+        ids += prompt
+        mask += [0] * len(prompt)
+        if reply is None:
+            break
+        messages.append({"role": "assistant", "content": reply})
         answer = tokenizer(full[len(opening):], add_special_tokens=False)["input_ids"]
         cut = next((i + 1 for i, t in enumerate(answer) if t in eos), len(answer))
-        rest = answer[cut:] if k + 1 < len(exchanges) else []  # the last turn's ends the example
-        ids += prompt + answer[:cut] + rest
-        mask += [0] * len(prompt) + [1] * cut + [0] * len(rest)
+        rest = answer[cut:] if k + 1 < len(turns) else []  # the last turn's ends the example
+        ids += answer[:cut] + rest
+        mask += [1] * cut + [0] * len(rest)
         done = full
     return [int(i) for i in ids], mask
 
@@ -139,7 +152,7 @@ def fixed_example(tokenizer, record: Record, chat: bool, system: str | None, eos
         exchanges = record.exchanges if all_turns else record.exchanges[:1]
         return encode_conversation(tokenizer, exchanges, cli.prompt_system(record.system, chat, system), eos,
                                    record.where)
-    prompt = cli.encode(tokenizer, record.prompt, bos_id=bos_id, system=system)
+    prompt = cli.encode(tokenizer, record.users[0], bos_id=bos_id, system=system)
     answer = [int(i) for i in tokenizer(record.exchanges[0][1], add_special_tokens=False)["input_ids"]]
     return prompt + answer, [0] * len(prompt) + [1] * len(answer)
 
@@ -152,19 +165,52 @@ def _check_ids(ids: list[int], vocab: int, where: str) -> None:
 
 
 def self_distill(model: Llama, prompts: list[list[int]], max_new_tokens: int, max_len: int, batch_size: int,
-                 sampling: SamplingConfig, seed: int, eos: tuple[int, ...], mesh=None) -> list[list[int]]:
+                 sampling: SamplingConfig, seed: int, eos: tuple[int, ...], mesh=None,
+                 desc: str = "generate") -> list[list[int]]:
     """The base model's own responses (EOS included when hit). Batch k uses seed + k; the last batch
     is padded with copies of its first prompt so every batch has one compiled shape."""
     gen = Generator(model, max_len=max_len, mesh=mesh)
     out: list[list[int]] = []
     groups = cli.batches(prompts, batch_size)
-    for k, group in enumerate(tqdm(groups, desc="generate", unit="batch", dynamic_ncols=True)):
+    for k, group in enumerate(tqdm(groups, desc=desc, unit="batch", dynamic_ncols=True)):
         # Near the context limit the budget shrinks so prompt + response still fits the cache.
         new = min(max_new_tokens, max_len - max(len(p) for p in group))
         padded = list(group) + [group[0]] * (batch_size - len(group))
         result = gen.generate(padded, new, sampling=sampling, seed=seed + k, eos_ids=eos)
         out.extend(result.tokens[: len(group)])
     return out
+
+
+def self_distill_turns(model: Llama, tokenizer, records: list[Record], prompts: list[list[int]], all_turns: bool,
+                       systems: list[str | None], eos: tuple[int, ...], max_len: int, args, sampling: SamplingConfig,
+                       mesh=None) -> list[tuple[list[int], list[int]]]:
+    """Self mode: (ids, loss mask) per record, the base model answering its first user turn (`prompts`)
+    and, with `all_turns`, each later one after the conversation so far, its own earlier answers as the
+    chat template renders them (as a chat application sends a conversation back). A conversation ends
+    at its last user turn, at an answer that --max-new-tokens cut short, or where the next prompt
+    would not fit --max-len. Turn t's batches take seeds after turn t-1's."""
+    pending = {i: (p, [0] * len(p)) for i, p in enumerate(prompts)}  # record -> its next prompt
+    history: list[list[tuple[str, str]]] = [[] for _ in records]
+    out: dict[int, tuple[list[int], list[int]]] = {}
+    seed, turn = args.seed, 0
+    while pending:
+        order = list(pending)
+        replies = self_distill(model, [pending[i][0] for i in order], args.max_new_tokens, max_len, args.batch_size,
+                               sampling, seed, eos, mesh, desc="generate" if turn == 0 else f"generate turn {turn + 1}")
+        seed, turn = seed + len(cli.batches(order, args.batch_size)), turn + 1
+        nxt = {}
+        for i, reply in zip(order, replies):
+            ids, mask = pending[i]
+            out[i] = (ids + reply, mask + [1] * len(reply))
+            record = records[i]
+            if all_turns and turn < len(record.users) and reply and reply[-1] in eos:
+                history[i].append((record.users[turn - 1], tokenizer.decode(reply[:-1], skip_special_tokens=True)))
+                ids, mask = encode_conversation(tokenizer, history[i], systems[i], eos, record.where,
+                                                then=record.users[turn])
+                if len(ids) < max_len:
+                    nxt[i] = (ids, mask)
+        pending = nxt
+    return [out[i] for i in range(len(records))]
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames="dtype")
@@ -224,8 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "loss mask on the response part and, optionally, the base model's hidden states.",
         epilog="Prompt records: {\"prompt\": ..., \"response\": ...}, Spec-Bench {\"turns\": [...]} (self mode) "
                "or ShareGPT {\"conversations\": [...]} (first human turn -> prompt, the gpt turn after it -> "
-               "response; with --mode fixed --chat every human/gpt exchange, see --turns; a system turn is kept "
-               "under --chat), one JSON object per line or a JSON array.")
+               "response; with --chat every turn, see --turns; a system turn is kept under --chat), one JSON "
+               "object per line or a JSON array.")
     p.add_argument("--base", required=True, metavar="DIR",
                    help="the base model: a Hugging Face checkpoint directory with its tokenizer files")
     p.add_argument("--prompts", required=True, metavar="FILE", help="JSONL (or JSON array) file of records")
@@ -245,10 +291,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="self mode: sampling temperature; 0 is greedy (default: %(default)s)")
     cli.add_chat_flags(p, "render each prompt (and a fixed response) with the tokenizer's chat template")
     p.add_argument("--turns", choices=("first", "all"),
-                   help="--mode fixed --chat: train on every assistant turn of a ShareGPT conversation, each after "
-                        "the turns before it, as the chat template renders the whole conversation (all), or on "
-                        "the first exchange only (first); otherwise only the first exchange is used (default: "
-                        "all with --mode fixed --chat)")
+                   help="with --chat: train on every assistant turn of a conversation, each after the turns before "
+                        "it as the chat template renders them (all): in fixed mode ShareGPT's answers, in self mode "
+                        "the model's answers to each user turn of a ShareGPT or Spec-Bench record in turn; or on "
+                        "the first exchange only (first). Without --chat only the first is used (default: all "
+                        "with --chat)")
     p.add_argument("--store-hidden", choices=("none",) + tuple(HIDDEN_DTYPES), default="none",
                    help="also store the base model's last hidden state (before the final norm) at every token "
                         "in this dtype, so training need not run the base model (default: %(default)s)")
@@ -276,10 +323,10 @@ def make_data(args: argparse.Namespace) -> int:
     if not 2 <= max_len <= cfg.max_position_embeddings:
         raise CloverError(f"--max-len {max_len} must be in [2, {cfg.max_position_embeddings}] (a prompt token plus "
                           "a response token, at most the model's max_position_embeddings)")
-    if args.turns == "all" and not (args.mode == "fixed" and args.chat):
-        raise CloverError("--turns all takes every assistant turn of a fixed conversation as the chat template "
-                          "renders it; add --mode fixed and --chat, or drop --turns")
-    all_turns = args.turns != "first" and args.mode == "fixed" and args.chat
+    if args.turns == "all" and not args.chat:
+        raise CloverError("--turns all takes every turn of a conversation as the chat template renders it; add "
+                          "--chat, or drop --turns")
+    all_turns = args.turns != "first" and args.chat
     records = read_examples(args.prompts)[: args.limit]
     tokenizer = cli.load_tokenizer(base_dir)
     eos = cli.eos_ids(base_dir, cfg, tokenizer)
@@ -288,8 +335,9 @@ def make_data(args: argparse.Namespace) -> int:
         examples = [fixed_example(tokenizer, r, args.chat, args.system, eos, all_turns, cfg.bos_token_id)
                     for r in records]
     else:
-        examples = [(cli.encode(tokenizer, r.prompt, chat=args.chat, bos_id=cfg.bos_token_id,
-                                system=cli.prompt_system(r.system, args.chat, args.system)), []) for r in records]
+        systems = [cli.prompt_system(r.system, args.chat, args.system) for r in records]
+        examples = [(cli.encode(tokenizer, r.users[0], chat=args.chat, bos_id=cfg.bos_token_id, system=system), [])
+                    for r, system in zip(records, systems)]
     for (ids, mask), record in zip(examples, records):
         _check_ids(ids, cfg.vocab_size, record.where)
         prompt = mask.index(1) if 1 in mask else len(ids)
@@ -302,10 +350,8 @@ def make_data(args: argparse.Namespace) -> int:
     out = Path(args.out)
     _prepare_out(out)
     if args.mode == "self":
-        prompts = [ids for ids, _ in examples]
-        responses = self_distill(model, prompts, args.max_new_tokens, max_len, args.batch_size, sampling,
-                                 args.seed, eos, mesh)
-        examples = [(p + r, [0] * len(p) + [1] * len(r)) for p, r in zip(prompts, responses)]
+        examples = self_distill_turns(model, tokenizer, records, [ids for ids, _ in examples], all_turns, systems,
+                                      eos, max_len, args, sampling, mesh)
     examples = [(ids[:max_len], mask[:max_len]) for ids, mask in examples]  # a fixed response is cut to fit
     empty = sum(1 for _, mask in examples if not any(mask))
     examples = [(ids, mask) for ids, mask in examples if any(mask)]
