@@ -8,6 +8,7 @@ at 1e-4 cannot pass by accident on near-zero activations or untouched defaults.
 from __future__ import annotations
 
 import math
+import os
 import re
 import signal
 
@@ -78,6 +79,16 @@ def build_hf_model(family: str, seed: int = 0) -> torch.nn.Module:
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
     return model
+
+
+def pytest_sessionfinish(session):
+    """An xdist worker whose tests are done ignores SIGINT. execnet sends its worker a SIGINT when the
+    worker's teardown outlasts a 5-second wait, and pytest's teardown (five gc passes, each running JAX's
+    gc callback over every compiled program) can, on a busy 2-core host: the KeyboardInterrupt then
+    lands inside the callback and prints as a PytestUnraisableExceptionWarning after every test passed.
+    The controller has the reports by then, and execnet still ends a worker stuck for 10 s more."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 @pytest.fixture
