@@ -143,6 +143,15 @@ def chat_turns(text: str, system: str | None = None) -> list[dict]:
     return ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": text}]
 
 
+def chat_messages(exchanges, user: str, system: str | None = None) -> list[dict]:
+    """The messages of a conversation's (user, reply) exchanges then a new user turn, the system turn
+    (when given) first."""
+    messages: list[dict] = []
+    for said, reply in exchanges:
+        messages += chat_turns(said, None if messages else system) + [{"role": "assistant", "content": reply}]
+    return messages + chat_turns(user, None if messages else system)
+
+
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
     """The text of `messages` under the tokenizer's chat template, or one error line: no template, or
     the template's own refusal (jinja2's raise_exception, e.g. a system turn Mistral's will not take)."""

@@ -37,6 +37,7 @@ examples:
   python -m infer.generate --prompt "import os" --temperature 0.8 --top-p 0.95 --seed 1
   python -m infer.generate --model path/to/llama --chat --stream --prompt "What is a KV cache?"
   python -m infer.generate --prompts question.jsonl --batch-size 4 --json > answers.jsonl
+  python -m infer.generate --model path/to/llama --method clover2 --heads heads/clover2 --interactive
 
 A prompts file holds one JSON object per line: {"prompt": ...}, Spec-Bench's {"turns": [...]}
 (the first turn is used) or ShareGPT's {"conversations": [...]} (the first human turn); a ShareGPT
@@ -59,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompts", metavar="FILE",
                      help="JSONL file of prompts: {\"prompt\"}, Spec-Bench {\"turns\"} or ShareGPT "
                           "{\"conversations\"} records (see below)")
+    src.add_argument("--interactive", action="store_true",
+                     help="chat on the terminal: each line typed is a user turn (implies --chat), the reply is "
+                          "printed as it is written, and the conversation so far is the next prompt (its oldest "
+                          "exchanges dropped when it no longer fits --max-len); Ctrl-D ends it")
     cli.add_chat_flags(p)
     p.add_argument("--method", choices=METHODS, default="plain",
                    help="decoding method: plain (one token per forward pass) or speculative decoding with "
@@ -158,7 +163,84 @@ def make_generator(model: Llama, method: str, *, model_path, heads: str | None =
                                 mesh=mesh, draft_vocab=load_draft_vocab(heads_dir, model, draft_vocab, greedy))
 
 
+class Tally:
+    """What the statistics line reports, summed over generate calls."""
+
+    def __init__(self):
+        self.new_tokens = self.steps = self.seq_steps = 0
+        self.compile_s = self.run_s = 0.0
+
+    def add(self, out) -> None:
+        self.new_tokens += out.num_new_tokens
+        self.steps += out.steps
+        self.seq_steps += sum(out.sequence_steps)
+        self.compile_s += out.compile_seconds
+        self.run_s += out.run_seconds
+
+    def line(self, method: str, generator: Generator) -> str:
+        tau = self.new_tokens / max(self.seq_steps, 1)
+        tree = getattr(generator, "tree", None)
+        shape = "" if tree is None else f" tree={tree.num_nodes} nodes, depth {tree.max_depth}"
+        if tree is not None:
+            vocab = generator.draft_vocab
+            shape += f", drafting from {'all' if vocab is None else vocab.size} tokens"
+        return (f"[{method}]{shape} new_tokens={self.new_tokens} steps={self.steps} tau={tau:.2f} "
+                f"tokens/s={self.new_tokens / max(self.run_s, 1e-9):.1f} compile={self.compile_s:.2f}s "
+                f"run={self.run_s:.2f}s")
+
+
+def converse(generator: Generator, tokenizer, lines, *, system: str | None, max_new_tokens: int,
+             sampling: SamplingConfig, seed: int, eos: tuple[int, ...], method: str, ask: bool = False) -> Tally:
+    """A chat: each line read from `lines` is a user turn; the reply to it is streamed to stdout (and its
+    statistics line to stderr), and the conversation so far, rendered by the chat template, is the next
+    prompt. When it no longer leaves --max-new-tokens of room in the cache, its oldest exchanges go
+    (the system turn stays); a turn that fits not even alone is refused in one line, and the chat goes on.
+    Reply k samples with seed + k."""
+    tally = Tally()
+    exchanges: list[tuple[str, str]] = []
+    replies = 0
+    while True:
+        if ask:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = lines.readline()
+        if not line:
+            return tally
+        user = line.rstrip("\r\n")
+        if not user.strip():
+            continue
+        while True:
+            text = cli.render_chat(tokenizer, cli.chat_messages(exchanges, user, system), add_generation_prompt=True)
+            ids = [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+            if len(ids) + max_new_tokens <= generator.max_len or not exchanges:
+                break
+            exchanges.pop(0)
+            print("(the oldest exchange no longer fits --max-len: dropped)", file=sys.stderr)
+        room = generator.max_len - len(ids)
+        if room < 1:
+            print(f"error: this turn alone is {len(ids)} tokens, leaving no room for a reply in --max-len "
+                  f"{generator.max_len}; say it in fewer words or raise --max-len", file=sys.stderr)
+            continue
+        printer = StreamPrinter(tokenizer)
+        out = generator.generate([ids], min(max_new_tokens, room), sampling=sampling, seed=seed + replies,
+                                 eos_ids=eos, on_tokens=printer)
+        replies += 1
+        [tokens] = out.tokens
+        printer.show(tokens, final=True)
+        print(flush=True)
+        tally.add(out)
+        reply = Tally()
+        reply.add(out)
+        print(reply.line(method, generator), file=sys.stderr)
+        exchanges.append((user, tokenizer.decode(tokens[:-1] if tokens[-1:] and tokens[-1] in eos else tokens,
+                                                 skip_special_tokens=True)))
+
+
 def _generate(args: argparse.Namespace) -> int:
+    if args.interactive:
+        args.chat = True
+        if args.json or args.batch_size not in (None, 1):
+            raise CloverError("--interactive is a chat, one reply at a time, as text: drop "
+                              + ("--json" if args.json else f"--batch-size {args.batch_size}"))
     if args.stream:
         fix = ("drop --json" if args.json else
                f"drop --batch-size {args.batch_size}" if args.batch_size not in (None, 1) else None)
@@ -168,7 +250,11 @@ def _generate(args: argparse.Namespace) -> int:
     path = cli.model_dir(args.model)
     cfg = ModelConfig.from_pretrained(path)
     tokenizer = cli.load_tokenizer(path)
-    texts = [(args.prompt, None)] if args.prompt is not None else cli.read_prompt_turns(args.prompts)
+    if args.interactive:
+        cli.render_chat(tokenizer, cli.chat_messages([], "", args.system))  # no chat template: one line, before loading
+        texts = []
+    else:
+        texts = [(args.prompt, None)] if args.prompt is not None else cli.read_prompt_turns(args.prompts)
     prompts = cli.encode_prompts(tokenizer, texts, args.chat, args.system, cfg.bos_token_id)
     eos = cli.eos_ids(path, cfg, tokenizer)
     size = args.batch_size if args.batch_size is not None else 1 if args.stream else 8
@@ -179,9 +265,14 @@ def _generate(args: argparse.Namespace) -> int:
     generator = make_generator(model, args.method, model_path=args.model, heads=args.heads, tree=args.tree,
                                num_heads=args.num_heads, max_len=args.max_len, seed=args.seed, mesh=mesh,
                                draft_vocab=args.draft_vocab, greedy=sampling.greedy)
-    new_tokens = steps = 0
-    seq_steps = 0
-    compile_s = run_s = 0.0
+    if args.interactive:
+        if sys.stdin.isatty():
+            print("chat: type a message and press Enter; Ctrl-D ends", file=sys.stderr)
+        tally = converse(generator, tokenizer, sys.stdin, system=args.system, max_new_tokens=args.max_new_tokens,
+                         sampling=sampling, seed=args.seed, eos=eos, method=args.method, ask=sys.stdin.isatty())
+        print(tally.line(args.method, generator), file=sys.stderr)
+        return 0
+    tally = Tally()
     for k, group in enumerate(groups):
         printer = None
         if args.stream:
@@ -190,11 +281,7 @@ def _generate(args: argparse.Namespace) -> int:
             printer = StreamPrinter(tokenizer)
         out = generator.generate([prompts[i] for i in group], args.max_new_tokens, sampling=sampling,
                                  seed=args.seed + k, eos_ids=eos, on_tokens=printer)
-        new_tokens += out.num_new_tokens
-        steps += out.steps
-        seq_steps += sum(out.sequence_steps)
-        compile_s += out.compile_seconds
-        run_s += out.run_seconds
+        tally.add(out)
         for i, tokens in zip(group, out.tokens):
             if printer:  # the text is on the screen already, but for what the last step left held back
                 printer.show(tokens, final=True)
@@ -209,14 +296,7 @@ def _generate(args: argparse.Namespace) -> int:
                     print("---")
                 print(text)
         sys.stdout.flush()
-    tau = new_tokens / max(seq_steps, 1)
-    tree = getattr(generator, "tree", None)
-    shape = "" if tree is None else f" tree={tree.num_nodes} nodes, depth {tree.max_depth}"
-    if tree is not None:
-        vocab = generator.draft_vocab
-        shape += f", drafting from {'all' if vocab is None else vocab.size} tokens"
-    print(f"[{args.method}]{shape} new_tokens={new_tokens} steps={steps} tau={tau:.2f} "
-          f"tokens/s={new_tokens / max(run_s, 1e-9):.1f} compile={compile_s:.2f}s run={run_s:.2f}s", file=sys.stderr)
+    print(tally.line(args.method, generator), file=sys.stderr)
     return 0
 
 

@@ -5,6 +5,7 @@ model.safetensors) and the repository's tokenizer code writes the tokenizer file
 output is checked against the library called directly, so the tool adds no tokens and drops none.
 """
 
+import io
 import json
 import pathlib
 import re
@@ -27,7 +28,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 FLAGS = ("--model", "--prompt", "--prompts", "--chat", "--method", "--max-new-tokens", "--temperature",
          "--top-p", "--top-k", "--seed", "--dtype", "--max-len", "--batch-size", "--json",
          "--heads", "--tree", "--draft-vocab", "--num-heads", "--mesh", "--coordinator", "--num-processes", "--process-id",
-         "--stream", "--system")
+         "--stream", "--system", "--interactive")
 STATS = re.compile(r"^\[(plain|medusa|clover|clover2)\]( tree=\d+ nodes, depth \d+, drafting from (all|\d+) tokens)? "
                    r"new_tokens=\d+ steps=\d+ tau=[\d.]+ tokens/s=[\d.]+ compile=[\d.]+s run=[\d.]+s$")
 NEW = 6  # new tokens per prompt in every test, so most tests share one compiled shape
@@ -133,6 +134,41 @@ def test_stream_prints_the_same_text_as_it_is_written(method, model_dir, hf_tok,
         assert got == sorted(set(got)) and got[-1] == len(tokens), (got, tokens)
         if method == "plain":
             assert got == list(range(2, len(tokens) + 1))
+
+
+def test_interactive_chat_sends_the_conversation_back(hf_tok, capsys, tmp_path, monkeypatch):
+    """--interactive: each line is a user turn, the reply is streamed, and the next prompt is the whole
+    conversation as the chat template renders it, the model's reply included; blank lines are skipped;
+    the oldest exchange goes when the conversation no longer leaves --max-new-tokens of room."""
+    model_dir = tiny_llama_checkpoint(tmp_path / "model", max_position_embeddings=128)
+    gen = Generator(load_pretrained(model_dir)[1])
+
+    def reply(messages):
+        ids = hf_tok(hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)["input_ids"]
+        tokens = gen.generate([ids], NEW, eos_ids=(0,)).tokens[0]
+        return hf_tok.decode(tokens, skip_special_tokens=True), tokens
+
+    def chat(*argv):
+        monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n\nand x?\n"))
+        return run_cli(capsys, "--model", model_dir, "--interactive", "--system", "be brief",
+                       "--max-new-tokens", NEW, *argv)
+
+    system = [{"role": "system", "content": "be brief"}]
+    first, tokens = reply(system + [{"role": "user", "content": "hi"}])
+    answer = hf_tok.decode(tokens[:-1] if tokens[-1] == 0 else tokens, skip_special_tokens=True)
+    second, _ = reply(system + [{"role": "user", "content": "hi"}, {"role": "assistant", "content": answer},
+                                {"role": "user", "content": "and x?"}])
+    code, out, err = chat()
+    assert code == 0, err
+    assert out == f"{first}\n{second}\n"
+    assert len([line for line in err.splitlines() if STATS.match(line)]) == 3  # one per reply, then the total
+    assert "dropped" not in err
+    # In a cache too small for both exchanges, the second prompt starts again from its own turn.
+    alone, _ = reply(system + [{"role": "user", "content": "and x?"}])
+    code, out, err = chat("--max-len", 48)  # 36 + 6 tokens for the first turn; 38 + 6 for the second alone
+    assert code == 0, err
+    assert out == f"{first}\n{alone}\n" and "(the oldest exchange no longer fits --max-len: dropped)" in err
 
 
 def test_stream_printer_waits_for_whole_characters(capsys):
@@ -283,7 +319,7 @@ def no_chat_dir(model_dir, tmp_path_factory):
                                   "bad top-p", "negative temperature", "bad max-new-tokens", "bad batch size",
                                   "bad prompts line", "missing prompts file", "no chat template",
                                   "stream with json", "stream with a batch",
-                                  "system without chat"])
+                                  "system without chat", "interactive with json", "interactive, no template"])
 def test_bad_input_is_one_error_line_and_exit_2(case, model_dir, no_chat_dir, capsys, tmp_path, monkeypatch):
     m = ["--model", model_dir]
     bad_line = tmp_path / "bad.jsonl"
@@ -306,6 +342,8 @@ def test_bad_input_is_one_error_line_and_exit_2(case, model_dir, no_chat_dir, ca
         "stream with json": (m + ["--prompt", "x", "--stream", "--json"], "--stream prints one prompt at a time, as text: drop --json"),
         "stream with a batch": (m + ["--prompts", bad_line, "--stream", "--batch-size", 2], "drop --batch-size 2"),
         "system without chat": (m + ["--prompt", "x", "--system", "be brief"], "--system is a turn of the chat template; add --chat"),
+        "interactive with json": (m + ["--interactive", "--json"], "--interactive is a chat, one reply at a time, as text: drop --json"),
+        "interactive, no template": (["--model", no_chat_dir, "--interactive"], "no chat template"),
     }[case]
     # The shipped model may or may not be built in this checkout; the error must not depend on it.
     monkeypatch.setattr(cli, "DEFAULT_MODEL_DIR", tmp_path / "models" / "reference")

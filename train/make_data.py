@@ -111,12 +111,11 @@ def encode_conversation(tokenizer, exchanges, system: str | None, eos: tuple[int
     template must render a conversation turn by turn (every known chat template does); one that
     rewrites earlier turns is refused for a conversation of several turns."""
     turns = list(exchanges) + ([(then, None)] if then is not None else [])
-    messages: list[dict] = []
     ids: list[int] = []
     mask: list[int] = []
     done = ""
     for k, (user, reply) in enumerate(turns):
-        messages += cli.chat_turns(user, system if k == 0 else None)
+        messages = cli.chat_messages(exchanges[:k], user, system)
         opening = cli.render_chat(tokenizer, messages, add_generation_prompt=True)
         full = "" if reply is None else cli.render_chat(tokenizer, messages + [{"role": "assistant", "content": reply}])
         if len(turns) == 1 and reply is not None and not full.startswith(opening):
@@ -130,7 +129,6 @@ def encode_conversation(tokenizer, exchanges, system: str | None, eos: tuple[int
         mask += [0] * len(prompt)
         if reply is None:
             break
-        messages.append({"role": "assistant", "content": reply})
         answer = tokenizer(full[len(opening):], add_special_tokens=False)["input_ids"]
         cut = next((i + 1 for i, t in enumerate(answer) if t in eos), len(answer))
         rest = answer[cut:] if k + 1 < len(turns) else []  # the last turn's ends the example
