@@ -204,6 +204,8 @@ def converse(generator: Generator, tokenizer, lines, *, system: str | None, max_
             print("> ", end="", file=sys.stderr, flush=True)
         line = lines.readline()
         if not line:
+            if ask:
+                print(file=sys.stderr)  # Ctrl-D left the cursor after the prompt
             return tally
         user = line.rstrip("\r\n")
         if not user.strip():
