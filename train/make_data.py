@@ -162,12 +162,10 @@ def _check_ids(ids: list[int], vocab: int, where: str) -> None:
                           "the tokenizer does not match the model")
 
 
-def self_distill(model: Llama, prompts: list[list[int]], max_new_tokens: int, max_len: int, batch_size: int,
-                 sampling: SamplingConfig, seed: int, eos: tuple[int, ...], mesh=None,
-                 desc: str = "generate") -> list[list[int]]:
+def self_distill(gen: Generator, prompts: list[list[int]], max_new_tokens: int, max_len: int, batch_size: int,
+                 sampling: SamplingConfig, seed: int, eos: tuple[int, ...], desc: str = "generate") -> list[list[int]]:
     """The base model's own responses (EOS included when hit). Batch k uses seed + k; the last batch
     is padded with copies of its first prompt so every batch has one compiled shape."""
-    gen = Generator(model, max_len=max_len, mesh=mesh)
     out: list[list[int]] = []
     groups = cli.batches(prompts, batch_size)
     for k, group in enumerate(tqdm(groups, desc=desc, unit="batch", dynamic_ncols=True)):
@@ -190,11 +188,12 @@ def self_distill_turns(model: Llama, tokenizer, records: list[Record], prompts: 
     pending = {i: (p, [0] * len(p)) for i, p in enumerate(prompts)}  # record -> its next prompt
     history: list[list[tuple[str, str]]] = [[] for _ in records]
     out: dict[int, tuple[list[int], list[int]]] = {}
+    gen = Generator(model, max_len=max_len, mesh=mesh)  # one for every turn: its compiled programs are kept
     seed, turn = args.seed, 0
     while pending:
         order = list(pending)
-        replies = self_distill(model, [pending[i][0] for i in order], args.max_new_tokens, max_len, args.batch_size,
-                               sampling, seed, eos, mesh, desc="generate" if turn == 0 else f"generate turn {turn + 1}")
+        replies = self_distill(gen, [pending[i][0] for i in order], args.max_new_tokens, max_len, args.batch_size,
+                               sampling, seed, eos, desc="generate" if turn == 0 else f"generate turn {turn + 1}")
         seed, turn = seed + len(cli.batches(order, args.batch_size)), turn + 1
         nxt = {}
         for i, reply in zip(order, replies):
