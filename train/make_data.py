@@ -85,12 +85,14 @@ def _turns(record, where: str) -> tuple[tuple[str, ...], tuple[tuple[str, str], 
     if not isinstance(conv, list):
         return (prompt,), ()
     conv = [t for t in conv if isinstance(t, dict) and isinstance(t.get("value"), str)]
-    conv = conv[next(i for i, t in enumerate(conv) if t.get("from") in _USER):]  # first_prompt found one
+    conv = conv[next((i for i, t in enumerate(conv) if t.get("from") in _USER), len(conv)):]
     users, replies = [], []
     for i, turn in enumerate(conv):
         if turn.get("from") not in (_USER if i % 2 == 0 else _ASSISTANT):
             break
         (users if i % 2 == 0 else replies).append(turn["value"])
+    if users[:1] != [prompt]:  # the prompt came from elsewhere in the record ({"prompt"} beside the turns)
+        return (prompt,), ()
     return tuple(users), tuple(zip(users, replies))
 
 
