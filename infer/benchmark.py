@@ -33,6 +33,7 @@ from clover_jax.errors import CloverError
 from clover_jax.sampling import SamplingConfig
 from clover_jax.sharding import make_mesh
 from infer import cli, report
+from infer.conversation import answer_turns, record_turns
 from infer.bandwidth import BandwidthProbe, plain_efficiency, plain_phases
 from infer.generate import DTYPES, METHODS, make_generator
 from infer.profiling import profile_folder, profile_ops
@@ -74,9 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "(99.9%% of those tokens when greedy, the whole vocabulary when sampling); with --shape, "
                         "N drafts from N tokens of the random model and auto from all (default: %(default)s)")
     p.add_argument("--prompts", metavar="FILE",
-                   help="JSONL prompts: {\"prompt\"}, Spec-Bench {\"turns\"} (the first turn) or ShareGPT "
-                        "{\"conversations\"} (the first human turn) records (default: MODEL/prompts.jsonl)")
+                   help="JSONL prompts: {\"prompt\"}, Spec-Bench {\"turns\"} or ShareGPT {\"conversations\"} "
+                        "records, their first turns and, with --chat, their later ones (--turns) "
+                        "(default: MODEL/prompts.jsonl)")
     cli.add_chat_flags(p)
+    p.add_argument("--turns", choices=("first", "all"),
+                   help="with --chat: also measure each later turn of a multi-turn record (Spec-Bench's MT-Bench "
+                        "questions, ShareGPT's human turns), asked after the conversation so far as Spec-Bench "
+                        "asks it, its earlier answers plain greedy decoding's (to EOS), so every method sees the "
+                        "same prompts (all); or the first turns only (first). Without --chat only the first "
+                        "(default: all with --chat)")
     p.add_argument("--num-prompts", type=int, default=24, metavar="N", help="first N prompts of the file (default: %(default)s)")
     p.add_argument("--batch-sizes", default="1,8", metavar="LIST", help="comma-separated batch sizes (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=96, metavar="N", help="tokens generated per prompt (default: %(default)s)")
@@ -185,6 +193,32 @@ def run_engines(generators: dict[str, Generator], prompts: list[list[int]], batc
     return results
 
 
+def with_later_turns(model, tokenizer, prompts: list[list[int]], records: list[tuple[dict, str]],
+                     systems: list[str | None], max_new: int, eos: tuple[int, ...], batch_size: int,
+                     mesh=None) -> list[list[int]]:
+    """The first turns' prompts, then each record's later turns' (Spec-Bench's second MT-Bench question,
+    ShareGPT's later human turns): a later turn is asked after the conversation so far, as Spec-Bench
+    asks it, its earlier answers plain greedy decoding's, up to EOS or `max_new` tokens (`answer_turns`).
+    The answers come from a generator of their own, so the measured ones compile and count only theirs;
+    a conversation whose next prompt would not leave `max_new` tokens of room ends there."""
+    gen = Generator(model, mesh=mesh)
+    users = [record_turns(record, where)[0] for record, where in records]
+
+    def answer(batch: list[list[int]], turn: int) -> list[list[int]]:
+        if turn == 0:
+            print(f"answering {len(batch)} first turns with plain greedy decoding, to ask the later ones",
+                  file=sys.stderr)
+        out = []
+        for group, real in _padded_batches(batch, batch_size):
+            out += gen.generate(group, max_new, eos_ids=eos, budgets=[max_new] * real + [0] * (len(group) - real)
+                                ).tokens[:real]
+        return out
+
+    turns = answer_turns(answer, tokenizer, users, systems, prompts, eos, gen.max_len - max_new + 1,
+                         [where for _, where in records])
+    return prompts + [ids for conversation in turns for ids, _, _ in conversation[1:]]
+
+
 def run_hf(path: Path, prompts: list[list[int]], batch_size: int, max_new: int, repeats: int, dtype: str,
            progress) -> dict[str, tuple[dict, list[list[int]]]]:
     """`transformers` greedy generate on the same checkpoint and token ids; with batch 1 also prompt
@@ -263,13 +297,22 @@ def _benchmark(args: argparse.Namespace) -> int:
     prompt_file = args.prompts or path / "prompts.jsonl"
     if args.prompts is None and not Path(prompt_file).is_file():
         raise CloverError(f"no prompts file at {prompt_file}; pass --prompts FILE")
-    texts = cli.read_prompt_turns(prompt_file)[: args.num_prompts]
+    if args.turns == "all" and not args.chat:
+        raise CloverError("--turns all asks later turns after the conversation so far, as the chat template renders "
+                          "it; add --chat, or drop --turns")
+    records = cli.read_records(prompt_file)[: args.num_prompts]
+    texts = [(cli.first_prompt(r, where), cli.record_system(r)) for r, where in records]
     prompts = cli.encode_prompts(tokenizer, texts, args.chat, args.system, cfg.bos_token_id)
     mesh = make_mesh(args.mesh) if args.mesh else None
     _, model = load_pretrained(path, dtype=DTYPES[args.dtype], mesh=mesh)
     heads_root = Path(args.heads_root) if args.heads_root else path / "heads"
 
     _check_outputs(args)
+    if args.chat and args.turns != "first":
+        eos = cli.eos_ids(path, cfg, tokenizer)
+        systems = [cli.prompt_system(own, True, args.system) for _, own in texts]
+        prompts = with_later_turns(model, tokenizer, prompts, records, systems, args.max_new_tokens, eos, max(sizes),
+                                   mesh)
     bandwidth = BandwidthProbe().median()
     per_size = {b: -(-len(prompts) // b) * (args.repeats + 1) for b in sizes}  # batches per method and size
     hf_passes = sum(n * (2 if b == 1 else 1) for b, n in per_size.items()) if args.hf else 0
@@ -338,7 +381,8 @@ def _benchmark(args: argparse.Namespace) -> int:
               "profile": profiles or None,
               "machine": report.machine_info(bandwidth),
               "settings": dict(model=str(path), prompts=str(prompt_file), num_prompts=len(prompts),
-                               chat=args.chat, system=args.system,
+                               num_records=len(records), chat=args.chat, system=args.system,
+                               turns="all" if args.chat and args.turns != "first" else "first",
                                max_new_tokens=args.max_new_tokens, repeats=args.repeats, dtype=args.dtype,
                                mesh=args.mesh,
                                command=args.command)}

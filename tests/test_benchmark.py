@@ -9,7 +9,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from infer import benchmark, profiling, report
+from clover_jax.convert import load_pretrained
+from clover_jax.decode import Generator
+from conftest import tiny_llama_checkpoint
+from infer import benchmark, cli, profiling, report
 
 
 def test_benchmark_runs_and_reports(tmp_path, capsys):
@@ -74,6 +77,8 @@ def test_benchmark_runs_and_reports(tmp_path, capsys):
     (["--tree", "plain=chain:2"], "plain decoding has no tree"),
     (["--methods", "medusa", "--draft-vocab", "many"], "--draft-vocab 'many': give auto, 0"),
     (["--prompts", "/nonexistent.jsonl"], "/nonexistent.jsonl"),
+    (["--turns", "all"], "--turns all asks later turns after the conversation so far, as the chat template renders "
+                         "it; add --chat"),
 ])
 def test_benchmark_bad_input_is_one_line(args, message, capsys):
     assert benchmark.main(args) == 2
@@ -124,6 +129,43 @@ def test_benchmark_sampling_and_draft_vocabulary_rows(tmp_path):
     shape = result["shape"]["methods"]
     assert {m: s["draft_vocab_size"] for m, s in shape.items()} == {
         "plain": 0, "medusa chain:1 dv=0": 0, "medusa chain:1": 0, "medusa chain:1 dv=160": 160}
+
+
+def test_later_turns_are_asked_after_plain_greedy_answers(tmp_path, capsys):
+    """--chat: a multi-turn record's later turns are measured too, each asked after the conversation so
+    far with plain greedy decoding's answers in it, as Spec-Bench asks MT-Bench's second questions."""
+    model_dir = tiny_llama_checkpoint(tmp_path / "model", max_position_embeddings=128)
+    tok = cli.load_tokenizer(model_dir)
+    odd = list(range(1, tok.vocab_size, 2))  # odd ids end an answer: answers that end, so turns follow
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": odd}))
+    records = [{"turns": ["x = 1", "y?"]}, {"prompt": "z"},
+               {"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "a"},
+                                  {"from": "gpt", "value": "not this answer"}, {"from": "human", "value": "b"}]}]
+    systems = [None, None, "be brief"]
+    model = load_pretrained(model_dir)[1]
+    eos = cli.eos_ids(model_dir, model.cfg, tok)
+    firsts = [cli.encode(tok, text, chat=True, system=system) for text, system in zip(("x = 1", "z", "a"), systems)]
+    prompts = benchmark.with_later_turns(model, tok, firsts, [(r, f"q:{i}") for i, r in enumerate(records)],
+                                         systems, 6, eos, 2)
+    assert len(prompts) == 5 and prompts[:3] == firsts
+    gen = Generator(model)
+    for later, first, (said, then), system in zip(prompts[3:], firsts[::2], [("x = 1", "y?"), ("a", "b")],
+                                                  systems[::2]):
+        answer = gen.generate([first], 6, eos_ids=eos).tokens[0]
+        assert answer[-1] in eos
+        messages = cli.chat_messages([(said, tok.decode(answer[:-1], skip_special_tokens=True))], then, system)
+        assert tok.decode(later) == tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # The command measures all five, and says so; --turns first keeps the three first turns.
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    for turns, count in (("all", 5), ("first", 3)):
+        out = tmp_path / f"{turns}.json"
+        assert benchmark.main(["--model", str(model_dir), "--methods", "plain", "--prompts", str(path), "--chat",
+                               "--turns", turns, "--batch-sizes", "2", "--max-new-tokens", "6", "--repeats", "1",
+                               "--json", str(out)]) == 0
+        settings = json.loads(out.read_text())["settings"]
+        assert settings["num_prompts"] == count and settings["num_records"] == 3 and settings["turns"] == turns
+        assert json.loads(out.read_text())["results"][0]["new_tokens"] == count * 6
 
 
 def test_acceptance_curves_merge_draft_vocabularies_that_accept_alike():

@@ -17,7 +17,7 @@ from clover_jax.errors import CloverError
 from clover_jax.model import causal_self_mask
 from clover_jax.sampling import SamplingConfig
 from conftest import save_tiny_llama, tiny_llama_checkpoint
-from infer import cli
+from infer import cli, conversation
 from train import make_data
 from train.data import HeadDataset
 
@@ -231,7 +231,7 @@ def test_chat_self_mode_answers_every_user_turn_after_its_own_answers(hf_tok, tm
             system, users = conversations[i]
             if turn + 1 < len(users) and reply[-1] in eos:
                 history[i].append((users[turn], hf_tok.decode(reply[:-1], skip_special_tokens=True)))
-                nxt[i] = make_data.encode_conversation(hf_tok, history[i], system, eos, "", then=users[turn + 1])
+                nxt[i] = conversation.encode_conversation(hf_tok, history[i], system, eos, "", then=users[turn + 1])
         prompts = {i: ids for i, (ids, _) in nxt.items()}
         masks = {i: mask for i, (_, mask) in nxt.items()}
     assert turns_answered[0] == 2 and turns_answered[1] >= 2  # the seeds give answers that end in time
@@ -251,9 +251,9 @@ def test_a_template_that_rewrites_earlier_turns_is_one_line(hf_tok, monkeypatch)
                  "{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
     monkeypatch.setattr(hf_tok, "chat_template", rewriting)
     with pytest.raises(CloverError, match="f:1: the chat template rewrites earlier turns when it renders turn 2") as e:
-        make_data.encode_conversation(hf_tok, (("a", "b"), ("c", "d")), None, (0,), "f:1")
+        conversation.encode_conversation(hf_tok, (("a", "b"), ("c", "d")), None, (0,), "f:1")
     assert "\n" not in str(e.value)
-    ids, mask = make_data.encode_conversation(hf_tok, (("a", "b"),), None, (0,), "f:1")
+    ids, mask = conversation.encode_conversation(hf_tok, (("a", "b"),), None, (0,), "f:1")
     assert hf_tok.decode(ids) == "user: a\nassistant: b\n" and sum(mask) > 0
 
 

@@ -54,11 +54,10 @@ from clover_jax.model import Llama, causal_self_mask
 from clover_jax.sampling import SamplingConfig
 from clover_jax.sharding import make_mesh, put_batch
 from infer import cli
+from infer.conversation import answer_turns, encode_conversation, record_turns
 from train.data import FILES, HIDDEN_DTYPES, META
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-_USER = ("human", "user")
-_ASSISTANT = ("gpt", "assistant", "chatgpt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,73 +70,10 @@ class Record:
     where: str
 
 
-def _turns(record, where: str) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
-    """(user turns, exchanges) of a record: {"prompt"} and its {"response"}; Spec-Bench's {"turns"}; or a
-    ShareGPT conversation's human and gpt turns from its first human turn for as long as they alternate
-    (what follows a break in the order is dropped)."""
-    prompt = cli.first_prompt(record, where)
-    if isinstance(record.get("response"), str):
-        return (prompt,), ((prompt, record["response"]),)
-    turns = record.get("turns")
-    if isinstance(turns, list) and turns and turns[0] == prompt:
-        return tuple(t for t in turns if isinstance(t, str)), ()
-    conv = record.get("conversations")
-    if not isinstance(conv, list):
-        return (prompt,), ()
-    conv = [t for t in conv if isinstance(t, dict) and isinstance(t.get("value"), str)]
-    conv = conv[next((i for i, t in enumerate(conv) if t.get("from") in _USER), len(conv)):]
-    users, replies = [], []
-    for i, turn in enumerate(conv):
-        if turn.get("from") not in (_USER if i % 2 == 0 else _ASSISTANT):
-            break
-        (users if i % 2 == 0 else replies).append(turn["value"])
-    if users[:1] != [prompt]:  # the prompt came from elsewhere in the record ({"prompt"} beside the turns)
-        return (prompt,), ()
-    return tuple(users), tuple(zip(users, replies))
-
-
 def read_examples(path: str | Path) -> list[Record]:
     """The records of a JSONL file or a JSON array (see the module docstring for the formats); each
     names itself ("file:line") for error messages."""
-    return [Record(*_turns(r, where), cli.record_system(r), where) for r, where in cli.read_records(path)]
-
-
-def encode_conversation(tokenizer, exchanges, system: str | None, eos: tuple[int, ...], where: str,
-                        then: str | None = None) -> tuple[list[int], list[int]]:
-    """(ids, loss mask) of (user, assistant) exchanges rendered by the chat template, as the model sees
-    the conversation at each turn: mask 1 on every assistant turn as the template writes it, up to its
-    first EOS (what follows is the template's, not the model's), 0 elsewhere. `then`, a last user turn,
-    ends the ids with the assistant's opening after it: the prompt for the next reply.
-
-    Each turn's text is the rendering of the conversation so far less the rendering before it, so a
-    template must render a conversation turn by turn (every known chat template does); one that
-    rewrites earlier turns is refused for a conversation of several turns."""
-    turns = list(exchanges) + ([(then, None)] if then is not None else [])
-    ids: list[int] = []
-    mask: list[int] = []
-    done = ""
-    for k, (user, reply) in enumerate(turns):
-        messages = cli.chat_messages(exchanges[:k], user, system)
-        opening = cli.render_chat(tokenizer, messages, add_generation_prompt=True)
-        full = "" if reply is None else cli.render_chat(tokenizer, messages + [{"role": "assistant", "content": reply}])
-        if len(turns) == 1 and reply is not None and not full.startswith(opening):
-            # A template that does not extend its own generation opening: the text plus EOS.
-            full = opening + reply + (tokenizer.eos_token or "")
-        if not (opening.startswith(done) and (reply is None or full.startswith(opening))):
-            raise CloverError(f"{where}: the chat template rewrites earlier turns when it renders turn {k + 1}, so "
-                              "the turns cannot be masked apart; use --turns first")
-        prompt = tokenizer(opening[len(done):], add_special_tokens=False)["input_ids"]
-        ids += prompt
-        mask += [0] * len(prompt)
-        if reply is None:
-            break
-        answer = tokenizer(full[len(opening):], add_special_tokens=False)["input_ids"]
-        cut = next((i + 1 for i, t in enumerate(answer) if t in eos), len(answer))
-        rest = answer[cut:] if k + 1 < len(turns) else []  # the last turn's ends the example
-        ids += answer[:cut] + rest
-        mask += [1] * cut + [0] * len(rest)
-        done = full
-    return [int(i) for i in ids], mask
+    return [Record(*record_turns(r, where), cli.record_system(r), where) for r, where in cli.read_records(path)]
 
 
 def fixed_example(tokenizer, record: Record, chat: bool, system: str | None, eos: tuple[int, ...],
@@ -183,33 +119,21 @@ def self_distill_turns(model: Llama, tokenizer, records: list[Record], prompts: 
                        systems: list[str | None], eos: tuple[int, ...], max_len: int, args, sampling: SamplingConfig,
                        mesh=None) -> list[tuple[list[int], list[int]]]:
     """Self mode: (ids, loss mask) per record, the base model answering its first user turn (`prompts`)
-    and, with `all_turns`, each later one after the conversation so far, its own earlier answers as the
-    chat template renders them (as a chat application sends a conversation back). A conversation ends
-    at its last user turn, at an answer that --max-new-tokens cut short, or where the next prompt
-    would not fit --max-len. Turn t's batches take seeds after turn t-1's."""
-    pending = {i: (p, [0] * len(p)) for i, p in enumerate(prompts)}  # record -> its next prompt
-    history: list[list[tuple[str, str]]] = [[] for _ in records]
-    out: dict[int, tuple[list[int], list[int]]] = {}
+    and, with `all_turns`, each later one (`answer_turns`): the last prompt and its answer, every answer
+    in the loss. Turn t's batches take seeds after turn t-1's."""
     gen = Generator(model, max_len=max_len, mesh=mesh)  # one for every turn: its compiled programs are kept
-    seed, turn = args.seed, 0
-    while pending:
-        order = list(pending)
-        replies = self_distill(gen, [pending[i][0] for i in order], args.max_new_tokens, max_len, args.batch_size,
-                               sampling, seed, eos, desc="generate" if turn == 0 else f"generate turn {turn + 1}")
-        seed, turn = seed + len(cli.batches(order, args.batch_size)), turn + 1
-        nxt = {}
-        for i, reply in zip(order, replies):
-            ids, mask = pending[i]
-            out[i] = (ids + reply, mask + [1] * len(reply))
-            record = records[i]
-            if all_turns and turn < len(record.users) and reply and reply[-1] in eos:
-                history[i].append((record.users[turn - 1], tokenizer.decode(reply[:-1], skip_special_tokens=True)))
-                ids, mask = encode_conversation(tokenizer, history[i], systems[i], eos, record.where,
-                                                then=record.users[turn])
-                if len(ids) < max_len:
-                    nxt[i] = (ids, mask)
-        pending = nxt
-    return [out[i] for i in range(len(records))]
+    seed = args.seed
+
+    def answer(batch: list[list[int]], turn: int) -> list[list[int]]:
+        nonlocal seed
+        replies = self_distill(gen, batch, args.max_new_tokens, max_len, args.batch_size, sampling, seed, eos,
+                               desc="generate" if turn == 0 else f"generate turn {turn + 1}")
+        seed += len(cli.batches(batch, args.batch_size))
+        return replies
+
+    turns = answer_turns(answer, tokenizer, [r.users if all_turns else r.users[:1] for r in records], systems,
+                         prompts, eos, max_len, [r.where for r in records])
+    return [(ids + reply, mask + [1] * len(reply)) for ids, mask, reply in (t[-1] for t in turns)]
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames="dtype")
