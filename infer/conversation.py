@@ -48,9 +48,9 @@ def encode_conversation(tokenizer, exchanges, system: str | None, eos: tuple[int
     first EOS (what follows is the template's, not the model's), 0 elsewhere. `then`, a last user turn,
     ends the ids with the assistant's opening after it: the prompt for the next reply.
 
-    Each turn's text is the rendering of the conversation so far less the rendering before it, so a
-    template must render a conversation turn by turn (every known chat template does); one that
-    rewrites earlier turns is refused for a conversation of several turns."""
+    Each turn's text is the rendering of the conversation so far less the rendering before it, so the
+    template must render a conversation turn by turn; one that rewrites earlier turns (some move the
+    system turn into the latest user turn) is refused for a conversation of several turns."""
     turns = list(exchanges) + ([(then, None)] if then is not None else [])
     ids: list[int] = []
     mask: list[int] = []
