@@ -108,8 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(the sizes multiply to the device count; default: one device)")
     cli.add_distributed_flags(p)
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object per prompt (prompt, text, tokens, num_tokens) instead of text "
-                        "separated by '---' lines")
+                   help="print one JSON object per prompt (prompt, text, tokens, num_tokens, finish_reason: eos "
+                        "or length, steps: the base model's forward passes for it, tau) instead of text separated "
+                        "by '---' lines")
     p.add_argument("--stream", action="store_true",
                    help="print the text as it is written, step by step, one prompt at a time (not with --json, "
                         "a --batch-size over 1 or several processes); each step then waits for a copy of its "
@@ -284,15 +285,16 @@ def _generate(args: argparse.Namespace) -> int:
         out = generator.generate([prompts[i] for i in group], args.max_new_tokens, sampling=sampling,
                                  seed=args.seed + k, eos_ids=eos, on_tokens=printer)
         tally.add(out)
-        for i, tokens in zip(group, out.tokens):
+        for i, tokens, steps in zip(group, out.tokens, out.sequence_steps):
             if printer:  # the text is on the screen already, but for what the last step left held back
                 printer.show(tokens, final=True)
                 print()
                 continue
             text = tokenizer.decode(tokens, skip_special_tokens=True)
             if args.json:
-                print(json.dumps({"prompt": texts[i][0], "text": text, "tokens": tokens, "num_tokens": len(tokens)},
-                                 ensure_ascii=False))
+                print(json.dumps({"prompt": texts[i][0], "text": text, "tokens": tokens, "num_tokens": len(tokens),
+                                  "finish_reason": "eos" if tokens and tokens[-1] in eos else "length",
+                                  "steps": steps, "tau": round(len(tokens) / max(steps, 1), 4)}, ensure_ascii=False))
             else:
                 if i:
                     print("---")

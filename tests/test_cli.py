@@ -240,6 +240,8 @@ def test_json_output_one_object_per_prompt_across_batches(model_dir, hf_tok, lib
         assert row["tokens"] == tokens
         assert row["num_tokens"] == len(tokens)
         assert row["text"] == hf_tok.decode(tokens, skip_special_tokens=True)
+        assert row["finish_reason"] == ("eos" if tokens[-1] == 0 else "length")
+        assert row["steps"] == len(tokens) and row["tau"] == 1.0  # plain: one forward pass per token
 
 
 def test_chat_applies_the_template(model_dir, hf_tok, library, capsys):
