@@ -33,8 +33,8 @@ from clover_jax.errors import CloverError
 from clover_jax.sampling import SamplingConfig
 from clover_jax.sharding import make_mesh
 from infer import cli, report
-from infer.conversation import answer_turns, record_turns
 from infer.bandwidth import BandwidthProbe, plain_efficiency, plain_phases
+from infer.conversation import answer_turns, record_turns
 from infer.generate import DTYPES, METHODS, make_generator
 from infer.profiling import profile_folder, profile_ops
 from infer.report import Row, label
@@ -301,7 +301,7 @@ def _benchmark(args: argparse.Namespace) -> int:
         raise CloverError("--turns all asks later turns after the conversation so far, as the chat template renders "
                           "it; add --chat, or drop --turns")
     records = cli.read_records(prompt_file)[: args.num_prompts]
-    texts = [(cli.first_prompt(r, where), cli.record_system(r)) for r, where in records]
+    texts = cli.prompt_turns(records)
     prompts = cli.encode_prompts(tokenizer, texts, args.chat, args.system, cfg.bos_token_id)
     mesh = make_mesh(args.mesh) if args.mesh else None
     _, model = load_pretrained(path, dtype=DTYPES[args.dtype], mesh=mesh)

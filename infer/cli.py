@@ -92,10 +92,14 @@ def record_system(record) -> str | None:
     return None
 
 
+def prompt_turns(records: list[tuple[dict, str]]) -> list[tuple[str, str | None]]:
+    """(text, the record's own system turn or None) per (record, where) of `read_records`."""
+    return [(first_prompt(record, where), record_system(record)) for record, where in records]
+
+
 def read_prompt_turns(path: str | Path) -> list[tuple[str, str | None]]:
-    """(text, the record's own system turn or None) per record of a prompts file (see `read_records`,
-    and `first_prompt` for the record formats)."""
-    return [(first_prompt(record, where), record_system(record)) for record, where in read_records(path)]
+    """`prompt_turns` of a prompts file (see `read_records`, and `first_prompt` for the record formats)."""
+    return prompt_turns(read_records(path))
 
 
 def read_prompts(path: str | Path) -> list[str]:
