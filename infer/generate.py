@@ -239,16 +239,13 @@ def converse(generator: Generator, tokenizer, lines, *, system: str | None, max_
 
 
 def _generate(args: argparse.Namespace) -> int:
-    if args.interactive:
-        args.chat = True
-        if args.json or args.batch_size not in (None, 1):
-            raise CloverError("--interactive is a chat, one reply at a time, as text: drop "
-                              + ("--json" if args.json else f"--batch-size {args.batch_size}"))
-    if args.stream:
+    if args.interactive or args.stream:  # both print one sequence's text as it is written
         fix = ("drop --json" if args.json else
                f"drop --batch-size {args.batch_size}" if args.batch_size not in (None, 1) else None)
         if fix:
-            raise CloverError(f"--stream prints one prompt at a time, as text: {fix}")
+            what = "--interactive is a chat, one reply" if args.interactive else "--stream prints one prompt"
+            raise CloverError(f"{what} at a time, as text: {fix}")
+    args.chat = args.chat or args.interactive
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     path = cli.model_dir(args.model)
     cfg = ModelConfig.from_pretrained(path)
