@@ -169,6 +169,12 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = F
         raise CloverError(f"--chat: the tokenizer's chat template refused the prompt: {e}{hint}") from None
 
 
+def check_system(chat: bool, system: str | None) -> None:
+    """Refuse --system without --chat: a system turn is a turn of the chat template."""
+    if system is not None and not chat:
+        raise CloverError("--system is a turn of the chat template; add --chat")
+
+
 def encode(tokenizer, text: str, chat: bool = False, bos_id: int | None = None,
            system: str | None = None) -> list[int]:
     """Token ids of a prompt, with the special tokens the tokenizer adds by default (Llama's BOS).
@@ -178,8 +184,7 @@ def encode(tokenizer, text: str, chat: bool = False, bos_id: int | None = None,
     so none are added on top. An empty prompt becomes [BOS] when there is one: the model needs at
     least one token.
     """
-    if system is not None and not chat:
-        raise CloverError("--system is a turn of the chat template; add --chat")
+    check_system(chat, system)
     if chat:
         text = render_chat(tokenizer, chat_turns(text, system), add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -43,40 +43,61 @@ def record_turns(record, where: str) -> tuple[tuple[str, ...], tuple[tuple[str, 
 
 def encode_conversation(tokenizer, exchanges, system: str | None, eos: tuple[int, ...], where: str,
                         then: str | None = None) -> tuple[list[int], list[int]]:
-    """(ids, loss mask) of (user, assistant) exchanges rendered by the chat template, as the model sees
-    the conversation at each turn: mask 1 on every assistant turn as the template writes it, up to its
-    first EOS (what follows is the template's, not the model's), 0 elsewhere. `then`, a last user turn,
-    ends the ids with the assistant's opening after it: the prompt for the next reply.
+    """(ids, loss mask) of (user, assistant) exchanges rendered by the chat template: mask 1 on every
+    assistant turn as the template writes it, up to its first EOS (what follows is the template's, not
+    the model's), 0 elsewhere. `then`, a last user turn, ends the ids with the assistant's opening after
+    it: the prompt for the next reply.
 
-    Each turn's text is the rendering of the conversation so far less the rendering before it, so the
-    template must render a conversation turn by turn; one that rewrites earlier turns (some move the
-    system turn into the latest user turn) is refused for a conversation of several turns."""
+    The ids are the tokenization of the whole rendered text, as a chat application sends the conversation
+    (and as `infer.generate --interactive` does); cut into turns, a tokenizer that joins or marks text at
+    a boundary (sentencepiece's leading "▁") would give ids that decoding never sees. Each assistant turn
+    is found as text: the rendering of the conversation up to it and through it, so the template must
+    render a conversation turn by turn; one that rewrites earlier turns (some move the system turn into
+    the latest user turn) is refused for a conversation of several turns."""
     turns = list(exchanges) + ([(then, None)] if then is not None else [])
-    ids: list[int] = []
-    mask: list[int] = []
-    done = ""
+    spans: list[tuple[int, int]] = []  # each reply's characters in `text`
+    text = ""
     for k, (user, reply) in enumerate(turns):
         messages = cli.chat_messages(exchanges[:k], user, system)
         opening = cli.render_chat(tokenizer, messages, add_generation_prompt=True)
-        full = "" if reply is None else cli.render_chat(tokenizer, messages + [{"role": "assistant", "content": reply}])
+        full = opening if reply is None else cli.render_chat(tokenizer, messages + [{"role": "assistant",
+                                                                                      "content": reply}])
         if len(turns) == 1 and reply is not None and not full.startswith(opening):
             # A template that does not extend its own generation opening: the text plus EOS.
             full = opening + reply + (tokenizer.eos_token or "")
-        if not (opening.startswith(done) and (reply is None or full.startswith(opening))):
+        if not (opening.startswith(text) and full.startswith(opening)):
             raise CloverError(f"{where}: the chat template rewrites earlier turns when it renders turn {k + 1}, so "
                               "the turns cannot be masked apart; use --turns first")
-        prompt = tokenizer(opening[len(done):], add_special_tokens=False)["input_ids"]
-        ids += prompt
-        mask += [0] * len(prompt)
-        if reply is None:
-            break
-        answer = tokenizer(full[len(opening):], add_special_tokens=False)["input_ids"]
-        cut = next((i + 1 for i, t in enumerate(answer) if t in eos), len(answer))
-        rest = answer[cut:] if k + 1 < len(turns) else []  # the last turn's ends the example
-        ids += answer[:cut] + rest
-        mask += [1] * cut + [0] * len(rest)
-        done = full
-    return [int(i) for i in ids], mask
+        if reply is not None:
+            spans.append((len(opening), len(full)))
+        text = full
+    ids, mask = masked_ids(tokenizer, text, spans, eos, add_special_tokens=False)
+    if then is None and any(mask):  # the last turn's EOS ends the example: drop the template's text after it
+        last = len(mask) - mask[::-1].index(1)
+        ids, mask = ids[:last], mask[:last]
+    return ids, mask
+
+
+def masked_ids(tokenizer, text: str, spans: Sequence[tuple[int, int]], eos: tuple[int, ...],
+               add_special_tokens: bool) -> tuple[list[int], list[int]]:
+    """(ids, loss mask) of `text` tokenized whole: mask 1 on the tokens that overlap a (start, end) span of
+    its characters, each span up to its first EOS token, 0 elsewhere."""
+    try:
+        enc = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+    except NotImplementedError:
+        raise CloverError("the tokenizer cannot map its tokens to the text (a slow tokenizer); use one with a "
+                          "tokenizer.json") from None
+    ids = [int(i) for i in enc["input_ids"]]
+    mask = [0] * len(ids)
+    for a, b in spans:
+        for i, (start, end) in enumerate(enc["offset_mapping"]):
+            if start >= b:
+                break
+            if end > a and end > start:  # a zero-width token (the BOS the tokenizer adds) covers no reply
+                mask[i] = 1
+                if ids[i] in eos:
+                    break
+    return ids, mask
 
 
 def answer_turns(answer: Callable[[list[list[int]], int], list[list[int]]], tokenizer,

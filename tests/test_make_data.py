@@ -102,6 +102,18 @@ def _assert_hidden(path, model, examples, dtype, atol):
         start += n
 
 
+def masked_runs(tok, ids: list[int], mask: list[int]) -> list[str]:
+    """The text of each run of tokens in the loss."""
+    runs, start = [], None
+    for i, m in enumerate(mask + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append(tok.decode(ids[start:i]))
+            start = None
+    return runs
+
+
 def test_fixed_mode_stores_prompt_response_mask_and_hidden(fixed_dir, hf_tok, model):
     examples = _examples(fixed_dir)
     assert len(examples) == len(RECORDS)
@@ -174,14 +186,8 @@ def test_chat_sharegpt_fixed_trains_on_every_assistant_turn(hf_tok, tmp_path, ca
     messages = [{"role": "user" if f == "human" else "assistant", "content": v} for f, v in turns[:4]]
     whole = hf_tok.apply_chat_template(messages, tokenize=False)
     assert hf_tok.decode(tokens) == whole[: whole.rindex("<|endoftext|>") + len("<|endoftext|>")]
-    spans, start = [], None  # the masked spans, as text
-    for i, m in enumerate(mask + [0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            spans.append(hf_tok.decode(tokens[start:i]))
-            start = None
-    assert spans == ["\n    return a + b\n<|endoftext|>", "def sub(a, b):\n    return a - b\n<|endoftext|>"]
+    assert masked_runs(hf_tok, tokens, mask) == ["\n    return a + b\n<|endoftext|>",
+                                                "def sub(a, b):\n    return a - b\n<|endoftext|>"]
     # --turns first: the first exchange alone, as before; --turns all without --chat is refused.
     code, _, _ = run(capsys, "--base", model_dir, "--prompts", path, "--out", tmp_path / "first", "--mode", "fixed",
                      "--chat", "--turns", "first")
@@ -255,6 +261,57 @@ def test_a_template_that_rewrites_earlier_turns_is_one_line(hf_tok, monkeypatch)
     assert "\n" not in str(e.value)
     ids, mask = conversation.encode_conversation(hf_tok, (("a", "b"),), None, (0,), "f:1")
     assert hf_tok.decode(ids) == "user: a\nassistant: b\n" and sum(mask) > 0
+
+
+def sentencepiece_like_tokenizer(legacy: bool):
+    """A small BPE tokenizer that marks word starts with "▁" as Llama-2's and Mistral's do: the newer way
+    (a Metaspace pre-tokenizer that prepends "▁" to the text's first piece only) or, with `legacy`, the
+    original Llama-2 tokenizer.json's (a normalizer that prepends "▁" to every text it is given)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    if legacy:
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    special = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    tok.train_from_iterator(["Hello there, how are you? I am fine. What is two and two? Four."] * 20,
+                            trainers.BpeTrainer(vocab_size=320, special_tokens=special))
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    hf.chat_template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}"  # Mistral's shape
+                        "{{ '[INST] ' + m['content'] + ' [/INST]' }}{% else %}{{ m['content'] + eos_token }}"
+                        "{% endif %}{% endfor %}")
+    return hf
+
+
+def test_examples_are_tokenized_whole_as_decoding_sees_them():
+    """A conversation's ids are its whole rendered text's, as a chat application sends it, with the loss
+    mask on each reply's tokens: tokenized turn by turn, "▁" tokenizers start each reply with a "▁" that
+    the conversation does not have. The same for a prompt and its response without --chat."""
+    tok = sentencepiece_like_tokenizer(legacy=False)
+    eos = (tok.eos_token_id,)
+    exchanges = (("Hello there", "How are you?"), ("What is two and two?", "Four."))
+    ids, mask = conversation.encode_conversation(tok, exchanges, None, eos, "f:1")
+    messages = [{"role": r, "content": c} for said in exchanges for r, c in zip(("user", "assistant"), said)]
+    assert ids == tok(tok.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
+    assert masked_runs(tok, ids, mask) == ["How are you?</s>", "Four.</s>"]
+    assert tok.convert_ids_to_tokens(tok("How are you?", add_special_tokens=False)["input_ids"])[0] == "▁"
+    # The prompt for the next reply is the whole text up to the assistant's opening.
+    prompt, prompt_mask = conversation.encode_conversation(tok, exchanges[:1], None, eos, "f:1", then="Four?")
+    opening = tok.apply_chat_template(cli.chat_messages(exchanges[:1], "Four?"), tokenize=False,
+                                      add_generation_prompt=True)
+    assert prompt == tok(opening, add_special_tokens=False)["input_ids"]
+    assert masked_runs(tok, prompt, prompt_mask) == ["How are you?</s>"]
+    # Without --chat: the prompt and response as one text; the legacy tokenizer prepends "▁" to each text.
+    tok = sentencepiece_like_tokenizer(legacy=True)
+    record = make_data.Record(("Hello there",), (("Hello there", " How are you?"),), None, "f:1")
+    ids, mask = make_data.fixed_example(tok, record, False, None, eos, False)
+    assert ids == tok("Hello there How are you?")["input_ids"]
+    assert masked_runs(tok, ids, mask) == ["How are you?"]  # (a decoded text drops its first "▁")
+    apart = tok("Hello there")["input_ids"] + tok(" How are you?", add_special_tokens=False)["input_ids"]
+    assert apart != ids
 
 
 def test_batches_are_a_function_of_seed_and_step(fixed_dir, self_dir):

@@ -54,7 +54,7 @@ from clover_jax.model import Llama, causal_self_mask
 from clover_jax.sampling import SamplingConfig
 from clover_jax.sharding import make_mesh, put_batch
 from infer import cli
-from infer.conversation import answer_turns, encode_conversation, record_turns
+from infer.conversation import answer_turns, encode_conversation, masked_ids, record_turns
 from train.data import FILES, HIDDEN_DTYPES, META
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -77,9 +77,10 @@ def read_examples(path: str | Path) -> list[Record]:
 
 
 def fixed_example(tokenizer, record: Record, chat: bool, system: str | None, eos: tuple[int, ...],
-                  all_turns: bool, bos_id: int | None) -> tuple[list[int], list[int]]:
+                  all_turns: bool) -> tuple[list[int], list[int]]:
     """(ids, loss mask) of a record's given responses: with `chat` the chat template's rendering of its
-    first exchange or, with `all_turns`, of all of them; without, the prompt's ids then the response's."""
+    first exchange or, with `all_turns`, of all of them; without, the prompt then the response, as one
+    text (the response's tokens in the loss). Either way the text is tokenized whole, as decoding sees it."""
     if not record.exchanges:
         raise CloverError(f"{record.where}: no response in the record; --mode fixed needs "
                           "{\"prompt\": ..., \"response\": ...} or ShareGPT conversations with a gpt turn "
@@ -88,9 +89,9 @@ def fixed_example(tokenizer, record: Record, chat: bool, system: str | None, eos
         exchanges = record.exchanges if all_turns else record.exchanges[:1]
         return encode_conversation(tokenizer, exchanges, cli.prompt_system(record.system, chat, system), eos,
                                    record.where)
-    prompt = cli.encode(tokenizer, record.users[0], bos_id=bos_id, system=system)
-    answer = [int(i) for i in tokenizer(record.exchanges[0][1], add_special_tokens=False)["input_ids"]]
-    return prompt + answer, [0] * len(prompt) + [1] * len(answer)
+    cli.check_system(chat, system)
+    prompt, text = record.users[0], record.users[0] + record.exchanges[0][1]
+    return masked_ids(tokenizer, text, [(len(prompt), len(text))], (), add_special_tokens=True)
 
 
 def _check_ids(ids: list[int], vocab: int, where: str) -> None:
@@ -255,7 +256,7 @@ def make_data(args: argparse.Namespace) -> int:
     eos = cli.eos_ids(base_dir, cfg, tokenizer)
 
     if args.mode == "fixed":
-        examples = [fixed_example(tokenizer, r, args.chat, args.system, eos, all_turns, cfg.bos_token_id)
+        examples = [fixed_example(tokenizer, r, args.chat, args.system, eos, all_turns)
                     for r in records]
     else:
         systems = [cli.prompt_system(r.system, args.chat, args.system) for r in records]
