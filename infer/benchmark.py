@@ -137,19 +137,11 @@ def _configs(specs: list[str], methods: list[str]) -> list[tuple[str, str | None
     return [("plain", None)] + [(m, t) for m, ts in trees.items() for t in (list(dict.fromkeys(ts)) or [None])]
 
 
-def _padded_batches(prompts: list[list[int]], size: int):
-    """Batches of exactly `size` (the last padded with budget-0 copies, so one program serves them all)."""
-    for start in range(0, len(prompts), size):
-        group = prompts[start:start + size]
-        real = len(group)
-        yield group + [group[0]] * (size - real), real
-
-
 def engine_pass(generator: Generator, prompts: list[list[int]], batch_size: int, max_new: int,
                 sampling: SamplingConfig, seed: int, progress) -> list[tuple[GenerationOutput, int]]:
     """One pass over the prompts in batches: each batch's output and how many of its rows are real."""
     outs = []
-    for k, (group, real) in enumerate(_padded_batches(prompts, batch_size)):
+    for k, (group, real) in enumerate(cli.padded_batches(prompts, batch_size)):
         outs.append((generator.generate(group, max_new, sampling, seed=seed + k, eos_ids=(),
                                         budgets=[max_new] * real + [0] * (len(group) - real)), real))
         progress.update(1)
@@ -188,7 +180,7 @@ def run_engines(generators: dict[str, Generator], prompts: list[list[int]], batc
                      step_ms=1e3 * run_s / max(steps, 1), steps=steps, new_tokens=new,
                      compile_s=sum(out.compile_seconds for out, _ in outs), compilations=gen.compilations,
                      buckets=len({bucket_for(max(len(p) for p in group), gen.buckets)
-                                  for group, _ in _padded_batches(prompts, batch_size)}))
+                                  for group, _ in cli.padded_batches(prompts, batch_size)}))
         results[name] = (stats, tokens)
     return results
 
@@ -209,7 +201,7 @@ def with_later_turns(model, tokenizer, prompts: list[list[int]], records: list[t
             print(f"answering {len(batch)} first turns with plain greedy decoding, to ask the later ones",
                   file=sys.stderr)
         out = []
-        for group, real in _padded_batches(batch, batch_size):
+        for group, real in cli.padded_batches(batch, batch_size):
             out += gen.generate(group, max_new, eos_ids=eos, budgets=[max_new] * real + [0] * (len(group) - real)
                                 ).tokens[:real]
         return out
@@ -335,7 +327,7 @@ def _benchmark(args: argparse.Namespace) -> int:
                 measured = run_engines(generators, prompts, b, args.max_new_tokens, args.repeats, progress,
                                        sampling, args.seed)
                 if args.profile and b == sizes[0] and temp == temps[0]:
-                    group = next(_padded_batches(prompts, b))[0]
+                    group = cli.padded_batches(prompts, b)[0][0]
                     for name, gen in generators.items():
                         progress.set_postfix_str(f"{name}, profiling")
                         profiles[name] = profile_ops(gen, group, args.max_new_tokens, sampling, args.seed,

@@ -251,6 +251,14 @@ def batches(items: Sequence, size: int) -> list[Sequence]:
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
+def padded_batches(items: Sequence, size: int) -> list[tuple[list, int]]:
+    """`items` in batches of exactly `size`, so that one compiled program serves them all: (batch, how many
+    of its items are real), the last batch filled with copies of its first item. Given a budget of 0
+    (`Generator.generate`'s `budgets`), a copy costs no decoding step, and the real rows' tokens are
+    what a smaller batch would give (each row's random key depends on its index alone)."""
+    return [(list(group) + [group[0]] * (size - len(group)), len(group)) for group in batches(items, size)]
+
+
 def add_distributed_flags(p) -> None:
     """Flags of a multi-process run (one process per host, or several on one machine)."""
     g = p.add_argument_group("multi-process (jax.distributed; also read from JAX's environment variables)")

@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache positions: prompt plus new tokens must fit "
                         "(default: the model's max_position_embeddings)")
     p.add_argument("--batch-size", type=int, metavar="N",
-                   help="prompts of --prompts generated together in one batch (default: 8; 1 with --stream)")
+                   help="prompts of --prompts generated together in one batch; a last, smaller batch is filled "
+                        "to this size, so it needs no program of its own (default: 8; 1 with --stream)")
     p.add_argument("--mesh", metavar="SPEC",
                    help="shard over devices: axis=size pairs over data, fsdp and model, e.g. data=2,model=4 "
                         "(the sizes multiply to the device count; default: one device)")
@@ -171,10 +172,11 @@ class Tally:
         self.new_tokens = self.steps = self.seq_steps = 0
         self.compile_s = self.run_s = 0.0
 
-    def add(self, out) -> None:
-        self.new_tokens += out.num_new_tokens
+    def add(self, out, real: int | None = None) -> None:
+        """Count a generate call's first `real` rows (the rest fill the batch: `cli.padded_batches`)."""
+        self.new_tokens += sum(len(t) for t in out.tokens[:real])
         self.steps += out.steps
-        self.seq_steps += sum(out.sequence_steps)
+        self.seq_steps += sum(out.sequence_steps[:real])
         self.compile_s += out.compile_seconds
         self.run_s += out.run_seconds
 
@@ -258,7 +260,7 @@ def _generate(args: argparse.Namespace) -> int:
     prompts = cli.encode_prompts(tokenizer, texts, args.chat, args.system, cfg.bos_token_id)
     eos = cli.eos_ids(path, cfg, tokenizer)
     size = args.batch_size if args.batch_size is not None else 1 if args.stream else 8
-    groups = cli.batches(list(range(len(prompts))), size)
+    groups = cli.padded_batches(list(range(len(prompts))), min(size, max(len(prompts), 1)))
 
     mesh = cli.mesh_of(args)
     _, model = load_pretrained(path, dtype=DTYPES[args.dtype], mesh=mesh)
@@ -273,16 +275,17 @@ def _generate(args: argparse.Namespace) -> int:
         print(tally.line(args.method, generator), file=sys.stderr)
         return 0
     tally = Tally()
-    for k, group in enumerate(groups):
+    for k, (group, real) in enumerate(groups):
         printer = None
         if args.stream:
             if group[0]:
                 print("---", flush=True)
             printer = StreamPrinter(tokenizer)
         out = generator.generate([prompts[i] for i in group], args.max_new_tokens, sampling=sampling,
-                                 seed=args.seed + k, eos_ids=eos, on_tokens=printer)
-        tally.add(out)
-        for i, tokens, steps in zip(group, out.tokens, out.sequence_steps):
+                                 seed=args.seed + k, eos_ids=eos, on_tokens=printer,
+                                 budgets=[args.max_new_tokens] * real + [0] * (len(group) - real))
+        tally.add(out, real)
+        for i, tokens, steps in zip(group[:real], out.tokens, out.sequence_steps):
             if printer:  # the text is on the screen already, but for what the last step left held back
                 printer.show(tokens, final=True)
                 print()

@@ -226,14 +226,22 @@ def test_prompts_file_reads_all_three_formats(model_dir, hf_tok, library, capsys
     assert STATS.match(err.strip()), err
 
 
-def test_json_output_one_object_per_prompt_across_batches(model_dir, hf_tok, library, capsys, tmp_path):
+def test_json_output_one_object_per_prompt_across_batches(model_dir, hf_tok, library, capsys, tmp_path,
+                                                          monkeypatch):
     prompts = ["def add(a, b):", "class Point:", "for i in range(10):"]
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    code, out, _ = run_cli(capsys, "--model", model_dir, "--prompts", path, "--max-new-tokens", NEW,
-                           "--batch-size", 2, "--json")
+    made = []
+    make = generate.make_generator
+    monkeypatch.setattr(generate, "make_generator", lambda *a, **k: made.append(make(*a, **k)) or made[-1])
+    code, out, err = run_cli(capsys, "--model", model_dir, "--prompts", path, "--max-new-tokens", NEW,
+                             "--batch-size", 2, "--json")
     assert code == 0
+    # The last batch, one prompt, is filled to two (a copy with no budget): one program serves both batches,
+    # and the copy's tokens are neither printed nor counted.
+    assert made[0].compilations == 1
     rows = [json.loads(line) for line in out.splitlines()]
+    assert f"new_tokens={sum(r['num_tokens'] for r in rows)} " in err
     assert [r["prompt"] for r in rows] == prompts
     for row, prompt in zip(rows, prompts):
         [tokens] = library([hf_tok(prompt)["input_ids"]])
@@ -242,6 +250,11 @@ def test_json_output_one_object_per_prompt_across_batches(model_dir, hf_tok, lib
         assert row["text"] == hf_tok.decode(tokens, skip_special_tokens=True)
         assert row["finish_reason"] == ("eos" if tokens[-1] == 0 else "length")
         assert row["steps"] == len(tokens) and row["tau"] == 1.0  # plain: one forward pass per token
+    # Sampled, the filled batch gives its prompt the tokens a batch of one would (batch k takes seed + k).
+    code, out, _ = run_cli(capsys, "--model", model_dir, "--prompts", path, "--max-new-tokens", NEW,
+                           "--batch-size", 2, "--json", "--temperature", 1, "--seed", 4)
+    last = json.loads(out.splitlines()[-1])["tokens"]
+    assert code == 0 and last == library([hf_tok(prompts[2])["input_ids"]], SamplingConfig(temperature=1.0), 5)[0]
 
 
 def test_chat_applies_the_template(model_dir, hf_tok, library, capsys):

@@ -103,16 +103,16 @@ def _check_ids(ids: list[int], vocab: int, where: str) -> None:
 
 def self_distill(gen: Generator, prompts: list[list[int]], max_new_tokens: int, max_len: int, batch_size: int,
                  sampling: SamplingConfig, seed: int, eos: tuple[int, ...], desc: str = "generate") -> list[list[int]]:
-    """The base model's own responses (EOS included when hit). Batch k uses seed + k; the last batch
-    is padded with copies of its first prompt so every batch has one compiled shape."""
+    """The base model's own responses (EOS included when hit). Batch k uses seed + k; every batch has
+    one compiled shape (`cli.padded_batches`)."""
     out: list[list[int]] = []
-    groups = cli.batches(prompts, batch_size)
-    for k, group in enumerate(tqdm(groups, desc=desc, unit="batch", dynamic_ncols=True)):
+    groups = cli.padded_batches(prompts, batch_size)
+    for k, (group, real) in enumerate(tqdm(groups, desc=desc, unit="batch", dynamic_ncols=True)):
         # Near the context limit the budget shrinks so prompt + response still fits the cache.
         new = min(max_new_tokens, max_len - max(len(p) for p in group))
-        padded = list(group) + [group[0]] * (batch_size - len(group))
-        result = gen.generate(padded, new, sampling=sampling, seed=seed + k, eos_ids=eos)
-        out.extend(result.tokens[: len(group)])
+        result = gen.generate(group, new, sampling=sampling, seed=seed + k, eos_ids=eos,
+                              budgets=[new] * real + [0] * (batch_size - real))
+        out.extend(result.tokens[:real])
     return out
 
 
