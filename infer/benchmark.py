@@ -51,7 +51,9 @@ bucket count is the most it should be). The bandwidth line divides the bytes a p
 streaming reads the benchmark takes between the prompts of the same passes (the median over passes of
 each pass's ratio). With --hf, rows `hf-generate` (transformers greedy `generate`) and
 `hf-prompt-lookup` (its assisted generation without a draft model, batch 1) run the same model and
-prompts in PyTorch on the CPU.
+prompts in PyTorch on the CPU. Prompts whose records name a Spec-Bench `category` also get speedup and
+tau per task (MT-Bench's eight categories as mt_bench), a speedup only where a task's prompts fill
+their batches alone (always at batch 1).
 """
 
 
@@ -105,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "method's most costly operations per step (kernels on an accelerator, XLA ops on a CPU), "
                         "each with its result shape and the JAX operation it came from")
     p.add_argument("--json", metavar="OUT", help="write the results as JSON")
-    p.add_argument("--plot", metavar="OUT.png", help="write a PNG: speedup and tau per method, acceptance per depth")
+    p.add_argument("--plot", metavar="OUT.png",
+                   help="write a PNG: speedup and tau per method, speedup per Spec-Bench task, acceptance per depth")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of random heads and random --shape weights (default: %(default)s)")
     return p
 
@@ -149,50 +152,84 @@ def engine_pass(generator: Generator, prompts: list[list[int]], batch_size: int,
 
 
 def run_engines(generators: dict[str, Generator], prompts: list[list[int]], batch_size: int, max_new: int,
-                repeats: int, progress, sampling: SamplingConfig = SamplingConfig(),
-                seed: int = 0) -> dict[str, tuple[dict, list[list[int]]]]:
+                repeats: int, progress, sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
+                tasks: list[str | None] | None = None) -> dict[str, tuple[dict, list[list[int]]]]:
     """Statistics and tokens per generator: a warm-up pass of each (compiling every bucket; tokens and
     acceptance come from it), then `repeats` rounds in which each generator makes one timed pass in
     turn. A shared host's load drifts over a run; taking the generators in turn within every round
-    exposes them all to the same drift, so the ratios between them hold when the absolute rates move."""
+    exposes them all to the same drift, so the ratios between them hold when the absolute rates move.
+    With `tasks` (one per prompt, `task_of`), the statistics also hold `per_task` (`per_task`)."""
     warm = {}
     for name, gen in generators.items():
         progress.set_postfix_str(f"{name}, batch {batch_size}, T={sampling.temperature:g}, warm-up")
         warm[name] = engine_pass(gen, prompts, batch_size, max_new, sampling, seed, progress)
-    seconds: dict[str, list[float]] = {name: [] for name in generators}
+    seconds: dict[str, list[list[float]]] = {name: [] for name in generators}  # per timed pass, per batch
     for rep in range(repeats):
         progress.set_postfix_str(f"batch {batch_size}, T={sampling.temperature:g}, timed round {rep + 1}/{repeats}")
         for name, gen in generators.items():
             outs = engine_pass(gen, prompts, batch_size, max_new, sampling, seed, progress)
-            seconds[name].append(sum(out.run_seconds for out, _ in outs))
+            seconds[name].append([out.run_seconds for out, _ in outs])
     results = {}
     for name, gen in generators.items():
         outs = warm[name]
         tokens = [t for out, real in outs for t in out.tokens[:real]]
         steps = sum(out.steps for out, _ in outs)
-        seq_steps = sum(sum(out.sequence_steps[:real]) for out, real in outs)
+        seq_steps = [s for out, real in outs for s in out.sequence_steps[:real]]
         hists = [out.accept_hist[:real].sum(0) for out, real in outs if out.accept_hist is not None]
         hist = sum(hists) if hists else None
         new = sum(len(t) for t in tokens)
-        run_s = statistics.median(seconds[name])
+        run_s = statistics.median(sum(batches) for batches in seconds[name])
         accept = [] if hist is None else [float(hist[d:].sum() / max(hist.sum(), 1)) for d in range(1, len(hist))]
-        stats = dict(tau=new / max(seq_steps, 1), accept_per_depth=accept, tokens_per_s=new / run_s,
+        stats = dict(tau=new / max(sum(seq_steps), 1), accept_per_depth=accept, tokens_per_s=new / run_s,
                      step_ms=1e3 * run_s / max(steps, 1), steps=steps, new_tokens=new,
                      compile_s=sum(out.compile_seconds for out, _ in outs), compilations=gen.compilations,
                      buckets=len({bucket_for(max(len(p) for p in group), gen.buckets)
                                   for group, _ in cli.padded_batches(prompts, batch_size)}))
+        if tasks and any(tasks):
+            stats["per_task"] = per_task(tasks, [len(t) for t in tokens], seq_steps, seconds[name], batch_size)
         results[name] = (stats, tokens)
     return results
 
 
+# Spec-Bench's tasks: its MT-Bench questions carry MT-Bench's eight categories, which it reports as one task.
+MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+
+
+def task_of(record: dict) -> str | None:
+    """The task a prompt record belongs to, as Spec-Bench reports it: its "category" (mt_bench for MT-Bench's
+    eight; translation, summarization, qa, math_reasoning, rag), or None without one."""
+    category = record.get("category")
+    if not isinstance(category, str) or not category:
+        return None
+    return "mt_bench" if category in MT_BENCH_CATEGORIES else category
+
+
+def per_task(tasks: list[str | None], new: list[int], seq_steps: list[int], seconds: list[list[float]],
+             batch_size: int) -> dict[str, dict]:
+    """Per task (prompts without one left out): its prompt count, tau and tokens/s. A task's time is its
+    batches' (median over the timed passes), so it is known when no batch holds prompts of another task
+    as well (always at batch 1; Spec-Bench's files keep each task's prompts together); else None."""
+    out = {}
+    for task in dict.fromkeys(t for t in tasks if t is not None):
+        mine = [i for i, t in enumerate(tasks) if t == task]
+        batches = {i // batch_size for i in mine}
+        alone = all(t == task for i, t in enumerate(tasks) if i // batch_size in batches)
+        tokens = sum(new[i] for i in mine)
+        run_s = statistics.median(sum(p[k] for k in batches) for p in seconds) if alone else None
+        out[task] = dict(prompts=len(mine), tau=tokens / max(sum(seq_steps[i] for i in mine), 1), new_tokens=tokens,
+                         tokens_per_s=tokens / run_s if run_s else None)
+    return out
+
+
 def with_later_turns(model, tokenizer, prompts: list[list[int]], records: list[tuple[dict, str]],
                      systems: list[str | None], max_new: int, eos: tuple[int, ...], batch_size: int,
-                     mesh=None) -> list[list[int]]:
+                     mesh=None) -> tuple[list[list[int]], list[int]]:
     """The first turns' prompts, then each record's later turns' (Spec-Bench's second MT-Bench question,
-    ShareGPT's later human turns): a later turn is asked after the conversation so far, as Spec-Bench
-    asks it, its earlier answers plain greedy decoding's, up to EOS or `max_new` tokens (`answer_turns`).
-    The answers come from a generator of their own, so the measured ones compile and count only theirs;
-    a conversation whose next prompt would not leave `max_new` tokens of room ends there."""
+    ShareGPT's later human turns), with the index of each prompt's record: a later turn is asked after
+    the conversation so far, as Spec-Bench asks it, its earlier answers plain greedy decoding's, up to
+    EOS or `max_new` tokens (`answer_turns`). The answers come from a generator of their own, so the
+    measured ones compile and count only theirs; a conversation whose next prompt would not leave
+    `max_new` tokens of room ends there."""
     gen = Generator(model, mesh=mesh)
     users = [record_turns(record, where)[0] for record, where in records]
 
@@ -208,7 +245,8 @@ def with_later_turns(model, tokenizer, prompts: list[list[int]], records: list[t
 
     turns = answer_turns(answer, tokenizer, users, systems, prompts, eos, gen.max_len - max_new + 1,
                          [where for _, where in records])
-    return prompts + [ids for conversation in turns for ids, _, _ in conversation[1:]]
+    later = [(ids, i) for i, conversation in enumerate(turns) for ids, _, _ in conversation[1:]]
+    return prompts + [ids for ids, _ in later], list(range(len(prompts))) + [i for _, i in later]
 
 
 def run_hf(path: Path, prompts: list[list[int]], batch_size: int, max_new: int, repeats: int, dtype: str,
@@ -300,11 +338,13 @@ def _benchmark(args: argparse.Namespace) -> int:
     heads_root = Path(args.heads_root) if args.heads_root else path / "heads"
 
     _check_outputs(args)
+    tasks = [task_of(record) for record, _ in records]
     if args.chat and args.turns != "first":
         eos = cli.eos_ids(path, cfg, tokenizer)
         systems = [cli.prompt_system(own, True, args.system) for _, own in texts]
-        prompts = with_later_turns(model, tokenizer, prompts, records, systems, args.max_new_tokens, eos, max(sizes),
-                                   mesh)
+        prompts, owners = with_later_turns(model, tokenizer, prompts, records, systems, args.max_new_tokens, eos,
+                                           max(sizes), mesh)
+        tasks = [tasks[i] for i in owners]
     bandwidth = BandwidthProbe().median()
     per_size = {b: -(-len(prompts) // b) * (args.repeats + 1) for b in sizes}  # batches per method and size
     hf_passes = sum(n * (2 if b == 1 else 1) for b, n in per_size.items()) if args.hf else 0
@@ -325,7 +365,7 @@ def _benchmark(args: argparse.Namespace) -> int:
                         model, method, model_path=path, heads=heads, tree=spec, seed=args.seed, mesh=mesh,
                         draft_vocab=dv, greedy=sampling.greedy)
                 measured = run_engines(generators, prompts, b, args.max_new_tokens, args.repeats, progress,
-                                       sampling, args.seed)
+                                       sampling, args.seed, tasks)
                 if args.profile and b == sizes[0] and temp == temps[0]:
                     group = cli.padded_batches(prompts, b)[0][0]
                     for name, gen in generators.items():
@@ -340,7 +380,7 @@ def _benchmark(args: argparse.Namespace) -> int:
                               temperature=temp, draft_vocab=dv or "", draft_vocab_size=vocab.size if vocab else 0,
                               tree_nodes=tree.num_nodes if tree else 1, **stats)
                     if method == "plain":
-                        plain_tps = row.tokens_per_s
+                        plain_tps, plain_tasks = row.tokens_per_s, row.per_task
                         if temp == 0:
                             plain_tokens = tokens
                             if b == 1:
@@ -350,6 +390,9 @@ def _benchmark(args: argparse.Namespace) -> int:
                     elif temp == 0:
                         row.matches_plain = tokens == plain_tokens
                     row.speedup = row.tokens_per_s / plain_tps
+                    for task, figures in row.per_task.items():
+                        base = plain_tasks[task]["tokens_per_s"]
+                        figures["speedup"] = figures["tokens_per_s"] / base if base and figures["tokens_per_s"] else None
                     rows.append(row)
                 del generators, measured
             plain_tps = next(r.tokens_per_s for r in rows if r.method == "plain" and r.batch_size == b)
@@ -368,6 +411,9 @@ def _benchmark(args: argparse.Namespace) -> int:
                             if r.batch_size == sizes[0] and r.temperature == temps[0]}, bandwidth)
 
     print(report.format_table(rows))
+    tasks_table = report.format_tasks(rows)
+    if tasks_table:
+        print("\n" + tasks_table)
     print(report.summary(rows, sizes, args.dtype, efficiency, shape, profiles))
     result = {"results": [dataclasses.asdict(r) for r in rows], "plain_efficiency": efficiency, "shape": shape,
               "profile": profiles or None,

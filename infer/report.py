@@ -39,6 +39,9 @@ class Row:
     compilations: int = 0
     buckets: int = 0
     matches_plain: bool | None = None
+    # Per Spec-Bench task, where the prompts name one (`benchmark.per_task`): prompts, tau, new_tokens,
+    # tokens_per_s and speedup (None where a batch mixed tasks, so no time is the task's alone).
+    per_task: dict[str, dict] = dataclasses.field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -78,6 +81,37 @@ def format_table(rows: list[Row]) -> str:
         lines.append(f"{name:<17}{r.batch_size:>5} {tree:<22}{vocab:>6}{tau:>6}{r.tokens_per_s:>9.1f}{r.speedup:>7.2f}x"
                      f"{step:>9}{comp:>10}{compiles:>9}  {' '.join(f'{a:.2f}' for a in r.accept_per_depth)}{same}")
     return "\n".join(lines)
+
+
+def tasks_of(rows: list[Row]) -> list[str]:
+    """The tasks the rows were measured on, in the prompts' order; none unless there are two or more (one
+    task's figures are the table's)."""
+    tasks = list(dict.fromkeys(t for r in rows for t in r.per_task))
+    return tasks if len(tasks) > 1 else []
+
+
+def format_tasks(rows: list[Row]) -> str:
+    """Speedup and tau per Spec-Bench task, a table per batch size, as the papers report them; empty
+    without two tasks."""
+    tasks = tasks_of(rows)
+    if not tasks:
+        return ""
+    first = next(r for r in rows if r.per_task)
+    counts = ", ".join(f"{t} {first.per_task[t]['prompts']}" for t in tasks if t in first.per_task)
+    tables = []
+    for b in sorted({r.batch_size for r in rows}):
+        mine = [r for r in rows if r.batch_size == b and r.per_task]
+        head = f"{'per task, batch ' + str(b):<34}" + "".join(f"{t[:15]:>16}" for t in tasks)
+        lines = [head, "-" * len(head)]
+        for r in mine:
+            cells = []
+            for t in tasks:
+                f = r.per_task.get(t)
+                speed = "-" if not f or f.get("speedup") is None else f"{f['speedup']:.2f}x"
+                cells.append("-" if not f else f"{speed} ({f['tau']:.2f})")
+            lines.append(f"{r.name[:33]:<34}" + "".join(f"{c:>16}" for c in cells))
+        tables.append("\n".join(lines))
+    return f"speedup over plain (tau) per task; prompts: {counts}\n" + "\n\n".join(tables)
 
 
 def exactness_note(rows: list[Row], dtype: str) -> str | None:
@@ -163,7 +197,10 @@ def plot(rows: list[Row], out: str, shape: dict | None = None) -> None:
     sizes = sorted({r.batch_size for r in rows})
     bars = max(4.5, 0.4 * len(names))  # inches per bar panel: room for every label
     shaped = list(shape["methods"]) if shape else []
-    widths = (bars, bars) + ((max(4.5, 0.4 * len(shaped)),) if shaped else ()) + (5.5,)
+    tasks = tasks_of(rows)
+    by_task = [r for r in rows if r.batch_size == sizes[0] and r.per_task and r.method != "plain"]
+    widths = (bars, bars) + ((max(4.5, 0.4 * len(shaped)),) if shaped else ()) + \
+        ((max(4.5, 0.25 * len(tasks) * len(by_task)),) if tasks else ()) + (5.5,)
     fig, axes = plt.subplots(1, len(widths), figsize=(sum(widths), 4.2), width_ratios=widths)
     width = 0.8 / len(sizes)
     for k, b in enumerate(sizes):
@@ -183,6 +220,16 @@ def plot(rows: list[Row], out: str, shape: dict | None = None) -> None:
             ax.annotate(f"{methods[m]['step_ms']:.1f}", (i, heights[i]), ha="center", va="bottom", fontsize=7)
         _label_bars(ax, shaped)
         ax.set_title(f"--shape {shape['shape']}: projected speedup\n(tau x plain step / step; step ms on bars)", fontsize=10)
+    if tasks:  # Spec-Bench's figure: speedup per task, a bar per row
+        ax, width = axes[-2], 0.8 / max(len(by_task), 1)
+        one_each = len({r.method for r in by_task}) == len(by_task)  # then a row's colour is its method's
+        for k, r in enumerate(by_task):
+            speedups = [(r.per_task.get(t) or {}).get("speedup") or 0 for t in tasks]
+            ax.bar(np.arange(len(tasks)) + k * width, speedups, width, label=r.name,
+                   color=METHOD_COLORS.get(r.method) if one_each else None)
+        _label_bars(ax, tasks, width * (len(by_task) - 1) / 2)
+        ax.set_title(f"speedup over plain per task (batch {sizes[0]})")
+        ax.legend(fontsize=7)
     curves = acceptance_curves([r for r in rows if r.accept_per_depth and r.batch_size == sizes[0]])
     trees: dict[str, list[str]] = {}
     for name, r in curves:  # a colour per method, a marker per tree (hollow: not the default draft

@@ -145,9 +145,9 @@ def test_later_turns_are_asked_after_plain_greedy_answers(tmp_path, capsys):
     model = load_pretrained(model_dir)[1]
     eos = cli.eos_ids(model_dir, model.cfg, tok)
     firsts = [cli.encode(tok, text, chat=True, system=system) for text, system in zip(("x = 1", "z", "a"), systems)]
-    prompts = benchmark.with_later_turns(model, tok, firsts, [(r, f"q:{i}") for i, r in enumerate(records)],
-                                         systems, 6, eos, 2)
-    assert len(prompts) == 5 and prompts[:3] == firsts
+    prompts, owners = benchmark.with_later_turns(model, tok, firsts, [(r, f"q:{i}") for i, r in enumerate(records)],
+                                                 systems, 6, eos, 2)
+    assert len(prompts) == 5 and prompts[:3] == firsts and owners == [0, 1, 2, 0, 2]
     gen = Generator(model)
     for later, first, (said, then), system in zip(prompts[3:], firsts[::2], [("x = 1", "y?"), ("a", "b")],
                                                   systems[::2]):
@@ -166,6 +166,48 @@ def test_later_turns_are_asked_after_plain_greedy_answers(tmp_path, capsys):
         settings = json.loads(out.read_text())["settings"]
         assert settings["num_prompts"] == count and settings["num_records"] == 3 and settings["turns"] == turns
         assert json.loads(out.read_text())["results"][0]["new_tokens"] == count * 6
+
+
+def test_per_task_figures_are_each_tasks_own_prompts_and_batches():
+    """Spec-Bench's tasks: tau and tokens/s over each task's prompts alone; a time only where no batch
+    mixes in another task's prompts."""
+    assert [benchmark.task_of(r) for r in ({"category": "writing"}, {"category": "humanities"},
+                                           {"category": "math_reasoning"}, {"category": ""}, {})] == \
+        ["mt_bench", "mt_bench", "math_reasoning", None, None]
+    seconds = [[1.0, 2.0, 3.0], [3.0, 2.0, 1.0]]  # two timed passes, a time per batch of one
+    got = benchmark.per_task(["a", "a", "b"], [4, 4, 4], [2, 2, 4], seconds, 1)
+    assert got == {"a": dict(prompts=2, tau=2.0, new_tokens=8, tokens_per_s=8 / 4.0),  # median(1+2, 3+2) s
+                   "b": dict(prompts=1, tau=1.0, new_tokens=4, tokens_per_s=4 / 2.0)}  # median(3, 1) s
+    assert benchmark.per_task(["a", "a", "b"], [4, 4, 4], [2, 2, 4], [[1.0, 3.0], [3.0, 1.0]], 2)["a"][
+        "tokens_per_s"] == 8 / 2.0
+    mixed = benchmark.per_task(["a", "b", "b", None], [4] * 4, [2] * 4, [[1.0, 1.0]], 2)
+    assert mixed["a"]["tokens_per_s"] is None and mixed["b"]["tokens_per_s"] is None and set(mixed) == {"a", "b"}
+
+
+def test_benchmark_reports_spec_bench_tasks(tmp_path, capsys):
+    records = [{"question_id": 1, "category": "writing", "turns": ["def add(a, b):"]},
+               {"question_id": 2, "category": "roleplay", "turns": ["class Point:"]},
+               {"question_id": 3, "category": "translation", "turns": ["import os"]}]
+    path, out, png = tmp_path / "question.jsonl", tmp_path / "b.json", tmp_path / "b.png"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert benchmark.main(["--methods", "plain,medusa", "--tree", "chain:2", "--prompts", str(path),
+                           "--batch-sizes", "1,3", "--max-new-tokens", "6", "--repeats", "1", "--json", str(out),
+                           "--plot", str(png)]) == 0
+    rows = {(r["method"], r["batch_size"]): r for r in json.loads(out.read_text())["results"]}
+    for (method, b), r in rows.items():
+        tasks = r["per_task"]
+        assert {t: f["prompts"] for t, f in tasks.items()} == {"mt_bench": 2, "translation": 1}
+        assert sum(f["new_tokens"] for f in tasks.values()) == r["new_tokens"] == 18
+        assert all(f["tau"] >= 1 for f in tasks.values()) and (method != "plain" or
+                                                               all(f["tau"] == 1 for f in tasks.values()))
+        if b == 1:  # a batch per prompt: each task's time is its own
+            assert all(f["tokens_per_s"] > 0 and f["speedup"] > 0 for f in tasks.values())
+            assert method != "plain" or all(f["speedup"] == 1 for f in tasks.values())
+        else:  # one batch holds both tasks: tau only
+            assert all(f["tokens_per_s"] is None and f["speedup"] is None for f in tasks.values())
+    text = capsys.readouterr().out
+    assert "speedup over plain (tau) per task; prompts: mt_bench 2, translation 1" in text
+    assert "per task, batch 3" in text and png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_acceptance_curves_merge_draft_vocabularies_that_accept_alike():
