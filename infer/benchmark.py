@@ -204,11 +204,12 @@ def task_of(record: dict) -> str | None:
     return "mt_bench" if category in MT_BENCH_CATEGORIES else category
 
 
-def per_task(tasks: list[str | None], new: list[int], seq_steps: list[int], seconds: list[list[float]],
+def per_task(tasks: list[str | None], new: list[int], seq_steps: list[int] | None, seconds: list[list[float]],
              batch_size: int) -> dict[str, dict]:
-    """Per task (prompts without one left out): its prompt count, tau and tokens/s. A task's time is its
-    batches' (median over the timed passes), so it is known when no batch holds prompts of another task
-    as well (always at batch 1; Spec-Bench's files keep each task's prompts together); else None."""
+    """Per task (prompts without one left out): its prompt count, tau (None without `seq_steps`: the
+    transformers rows) and tokens/s. A task's time is its batches' (median over the timed passes), so it
+    is known when no batch holds prompts of another task as well (always at batch 1; Spec-Bench's files
+    keep each task's prompts together); else None."""
     out = {}
     for task in dict.fromkeys(t for t in tasks if t is not None):
         mine = [i for i, t in enumerate(tasks) if t == task]
@@ -216,9 +217,16 @@ def per_task(tasks: list[str | None], new: list[int], seq_steps: list[int], seco
         alone = all(t == task for i, t in enumerate(tasks) if i // batch_size in batches)
         tokens = sum(new[i] for i in mine)
         run_s = statistics.median(sum(p[k] for k in batches) for p in seconds) if alone else None
-        out[task] = dict(prompts=len(mine), tau=tokens / max(sum(seq_steps[i] for i in mine), 1), new_tokens=tokens,
-                         tokens_per_s=tokens / run_s if run_s else None)
+        tau = None if seq_steps is None else tokens / max(sum(seq_steps[i] for i in mine), 1)
+        out[task] = dict(prompts=len(mine), tau=tau, new_tokens=tokens, tokens_per_s=tokens / run_s if run_s else None)
     return out
+
+
+def task_speedups(row: Row, plain: Row) -> None:
+    """Each of the row's tasks' speedup: its tokens/s over plain decoding's on that task's prompts."""
+    for task, figures in row.per_task.items():
+        base = plain.per_task[task]["tokens_per_s"]
+        figures["speedup"] = figures["tokens_per_s"] / base if base and figures["tokens_per_s"] else None
 
 
 def with_later_turns(model, tokenizer, prompts: list[list[int]], records: list[tuple[dict, str]],
@@ -250,9 +258,9 @@ def with_later_turns(model, tokenizer, prompts: list[list[int]], records: list[t
 
 
 def run_hf(path: Path, prompts: list[list[int]], batch_size: int, max_new: int, repeats: int, dtype: str,
-           progress) -> dict[str, tuple[dict, list[list[int]]]]:
+           progress, tasks: list[str | None] | None = None) -> dict[str, tuple[dict, list[list[int]]]]:
     """`transformers` greedy generate on the same checkpoint and token ids; with batch 1 also prompt
-    lookup decoding (HF's assisted generation without a draft model)."""
+    lookup decoding (HF's assisted generation without a draft model). With `tasks`, also `per_task`."""
     try:
         import torch
         from transformers import AutoModelForCausalLM
@@ -269,9 +277,9 @@ def run_hf(path: Path, prompts: list[list[int]], batch_size: int, max_new: int, 
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     results = {}
     for name, extra in modes.items():
-        seconds, tokens = [], []
+        seconds, tokens = [], []  # per timed pass, per batch
         for rep in range(repeats + 1):
-            run_s = 0.0
+            run_s = []
             for start in range(0, len(prompts), batch_size):
                 group = prompts[start:start + batch_size]
                 width = max(len(p) for p in group)
@@ -281,14 +289,17 @@ def run_hf(path: Path, prompts: list[list[int]], batch_size: int, max_new: int, 
                 with torch.no_grad():
                     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
                                          min_new_tokens=max_new, do_sample=False, pad_token_id=pad, **extra)
-                run_s += time.perf_counter() - t0
+                run_s.append(time.perf_counter() - t0)
                 progress.update(1)
                 if rep == 0:
                     tokens += [row[width:].tolist() for row in out]
             if rep:
                 seconds.append(run_s)
         new = sum(len(t) for t in tokens)
-        results[name] = (dict(tokens_per_s=new / statistics.median(seconds), new_tokens=new), tokens)
+        stats = dict(tokens_per_s=new / statistics.median(sum(p) for p in seconds), new_tokens=new)
+        if tasks and any(tasks):
+            stats["per_task"] = per_task(tasks, [len(t) for t in tokens], None, seconds, batch_size)
+        results[name] = (stats, tokens)
     return results
 
 
@@ -380,7 +391,7 @@ def _benchmark(args: argparse.Namespace) -> int:
                               temperature=temp, draft_vocab=dv or "", draft_vocab_size=vocab.size if vocab else 0,
                               tree_nodes=tree.num_nodes if tree else 1, **stats)
                     if method == "plain":
-                        plain_tps, plain_tasks = row.tokens_per_s, row.per_task
+                        plain = row
                         if temp == 0:
                             plain_tokens = tokens
                             if b == 1:
@@ -389,19 +400,18 @@ def _benchmark(args: argparse.Namespace) -> int:
                                 efficiency = plain_efficiency(model, prompts, args.max_new_tokens, phases)
                     elif temp == 0:
                         row.matches_plain = tokens == plain_tokens
-                    row.speedup = row.tokens_per_s / plain_tps
-                    for task, figures in row.per_task.items():
-                        base = plain_tasks[task]["tokens_per_s"]
-                        figures["speedup"] = figures["tokens_per_s"] / base if base and figures["tokens_per_s"] else None
+                    row.speedup = row.tokens_per_s / plain.tokens_per_s
+                    task_speedups(row, plain)
                     rows.append(row)
                 del generators, measured
-            plain_tps = next(r.tokens_per_s for r in rows if r.method == "plain" and r.batch_size == b)
+            plain = next(r for r in rows if r.method == "plain" and r.batch_size == b)
             if args.hf:
                 for name, (stats, tokens) in run_hf(path, prompts, b, args.max_new_tokens, args.repeats,
-                                                    args.dtype, progress).items():
-                    rows.append(Row(method=name, batch_size=b, tau=None, speedup=stats["tokens_per_s"] / plain_tps,
-                                    tokens_per_s=stats["tokens_per_s"], new_tokens=stats["new_tokens"],
-                                    matches_plain=None if plain_tokens is None else tokens == plain_tokens))
+                                                    args.dtype, progress, tasks).items():
+                    row = Row(method=name, batch_size=b, tau=None, matches_plain=None if plain_tokens is None else
+                              tokens == plain_tokens, speedup=stats["tokens_per_s"] / plain.tokens_per_s, **stats)
+                    task_speedups(row, plain)
+                    rows.append(row)
         shape = None
         if args.shape:
             progress.set_postfix_str(f"--shape {args.shape}")

@@ -108,7 +108,7 @@ def format_tasks(rows: list[Row]) -> str:
             for t in tasks:
                 f = r.per_task.get(t)
                 speed = "-" if not f or f.get("speedup") is None else f"{f['speedup']:.2f}x"
-                cells.append("-" if not f else f"{speed} ({f['tau']:.2f})")
+                cells.append("-" if not f else speed if f["tau"] is None else f"{speed} ({f['tau']:.2f})")
             lines.append(f"{r.name[:33]:<34}" + "".join(f"{c:>16}" for c in cells))
         tables.append("\n".join(lines))
     return f"speedup over plain (tau) per task; prompts: {counts}\n" + "\n\n".join(tables)

@@ -192,14 +192,16 @@ def test_benchmark_reports_spec_bench_tasks(tmp_path, capsys):
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     assert benchmark.main(["--methods", "plain,medusa", "--tree", "chain:2", "--prompts", str(path),
                            "--batch-sizes", "1,3", "--max-new-tokens", "6", "--repeats", "1", "--json", str(out),
-                           "--plot", str(png)]) == 0
+                           "--plot", str(png), "--hf"]) == 0
     rows = {(r["method"], r["batch_size"]): r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {(m, b) for m in ("plain", "medusa", "hf-generate") for b in (1, 3)} | {("hf-prompt-lookup", 1)}
     for (method, b), r in rows.items():
         tasks = r["per_task"]
         assert {t: f["prompts"] for t, f in tasks.items()} == {"mt_bench": 2, "translation": 1}
         assert sum(f["new_tokens"] for f in tasks.values()) == r["new_tokens"] == 18
-        assert all(f["tau"] >= 1 for f in tasks.values()) and (method != "plain" or
-                                                               all(f["tau"] == 1 for f in tasks.values()))
+        taus = [f["tau"] for f in tasks.values()]
+        assert taus == [None, None] if method.startswith("hf-") else all(t >= 1 for t in taus)
+        assert method != "plain" or taus == [1, 1]
         if b == 1:  # a batch per prompt: each task's time is its own
             assert all(f["tokens_per_s"] > 0 and f["speedup"] > 0 for f in tasks.values())
             assert method != "plain" or all(f["speedup"] == 1 for f in tasks.values())
