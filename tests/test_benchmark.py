@@ -138,7 +138,7 @@ def test_later_turns_are_asked_after_plain_greedy_answers(tmp_path, capsys):
     tok = cli.load_tokenizer(model_dir)
     odd = list(range(1, tok.vocab_size, 2))  # odd ids end an answer: answers that end, so turns follow
     (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": odd}))
-    records = [{"turns": ["x = 1", "y?"]}, {"prompt": "z"},
+    records = [{"turns": ["x = 1", "y?"], "category": "writing"}, {"prompt": "z", "category": "qa"},
                {"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "a"},
                                   {"from": "gpt", "value": "not this answer"}, {"from": "human", "value": "b"}]}]
     systems = [None, None, "be brief"]
@@ -166,6 +166,8 @@ def test_later_turns_are_asked_after_plain_greedy_answers(tmp_path, capsys):
         settings = json.loads(out.read_text())["settings"]
         assert settings["num_prompts"] == count and settings["num_records"] == 3 and settings["turns"] == turns
         assert json.loads(out.read_text())["results"][0]["new_tokens"] == count * 6
+        per_task = json.loads(out.read_text())["results"][0]["per_task"]  # a later turn is its record's task's
+        assert {t: f["prompts"] for t, f in per_task.items()} == {"mt_bench": 2 if turns == "all" else 1, "qa": 1}
 
 
 def test_per_task_figures_are_each_tasks_own_prompts_and_batches():
