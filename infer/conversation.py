@@ -83,17 +83,20 @@ def masked_ids(tokenizer, text: str, spans: Sequence[tuple[int, int]], eos: tupl
     """(ids, loss mask) of `text` tokenized whole: mask 1 on the tokens that overlap a (start, end) span of
     its characters, each span up to its first EOS token, 0 elsewhere."""
     try:
-        enc = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+        enc = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True,
+                        return_special_tokens_mask=True)
     except NotImplementedError:
         raise CloverError("the tokenizer cannot map its tokens to the text (a slow tokenizer); use one with a "
                           "tokenizer.json") from None
     ids = [int(i) for i in enc["input_ids"]]
     mask = [0] * len(ids)
     for a, b in spans:
-        for i, (start, end) in enumerate(enc["offset_mapping"]):
+        for i, ((start, end), added) in enumerate(zip(enc["offset_mapping"], enc["special_tokens_mask"])):
             if start >= b:
                 break
-            if end > a and end > start:  # a zero-width token (the BOS the tokenizer adds) covers no reply
+            # A token trimmed to no width (spaces, where the tokenizer trims offsets) sits where it starts;
+            # one the tokenizer added (its BOS) is no reply's.
+            if start < end and end > a or start == end and start >= a and not added:
                 mask[i] = 1
                 if ids[i] in eos:
                     break

@@ -16,7 +16,7 @@ from clover_jax.decode import Generator
 from clover_jax.errors import CloverError
 from clover_jax.model import causal_self_mask
 from clover_jax.sampling import SamplingConfig
-from conftest import save_tiny_llama, tiny_llama_checkpoint
+from conftest import save_tiny_llama, tiny_llama_checkpoint, tiny_tokenizer
 from infer import cli, conversation
 from train import make_data
 from train.data import HeadDataset
@@ -312,6 +312,27 @@ def test_examples_are_tokenized_whole_as_decoding_sees_them():
     assert masked_runs(tok, ids, mask) == ["How are you?"]  # (a decoded text drops its first "▁")
     apart = tok("Hello there")["input_ids"] + tok(" How are you?", add_special_tokens=False)["input_ids"]
     assert apart != ids
+
+
+def test_loss_mask_holds_tokens_whose_offsets_are_trimmed_but_not_the_bos():
+    """A tokenizer that trims spaces from its offsets (GPT-2's tokenizer.json does) gives an all-space token
+    no width: it is still its reply's. The BOS the tokenizer adds has no width either, and is no reply's."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok = tiny_tokenizer()
+    bos = tok.token_to_id("<|endoftext|>")
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=True),
+        processors.TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)])])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tok)
+    text = "x =    1"
+    ids, mask = conversation.masked_ids(tok, text, [(0, len(text))], (), add_special_tokens=True)
+    offsets = tok(text, return_offsets_mapping=True)["offset_mapping"]
+    assert ids[0] == bos and mask == [0] + [1] * (len(ids) - 1)
+    assert any(start == end for start, end in offsets[1:])  # the spaces' token, trimmed to no width
+    ids, mask = conversation.masked_ids(tok, text, [(len("x ="), len(text))], (), add_special_tokens=True)
+    assert masked_runs(tok, ids, mask) == ["    1"]
 
 
 def test_batches_are_a_function_of_seed_and_step(fixed_dir, self_dir):
