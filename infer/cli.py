@@ -55,27 +55,28 @@ def first_prompt(record, where: str) -> str:
 
 def read_records(path: str | Path) -> list[tuple[dict, str]]:
     """(record, where) for each record of a JSONL file (one per line) or a JSON array (ShareGPT's usual
-    form); `where` names the record ("file:line") in error messages."""
-    path = Path(path)
+    form), or of standard input for "-"; `where` names the record ("file:line") in error messages."""
+    stdin = str(path) == "-"
+    name = "stdin" if stdin else str(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = sys.stdin.read() if stdin else Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise CloverError(f"{path}: cannot read the prompts file ({e.__class__.__name__}: {e})") from None
+        raise CloverError(f"{name}: cannot read the prompts file ({e.__class__.__name__}: {e})") from None
     if text.lstrip().startswith("["):
         try:
-            records = [(r, f"{path}: record {i + 1}") for i, r in enumerate(json.loads(text))]
+            records = [(r, f"{name}: record {i + 1}") for i, r in enumerate(json.loads(text))]
         except json.JSONDecodeError as e:
-            raise CloverError(f"{path}: not valid JSON ({e})") from None
+            raise CloverError(f"{name}: not valid JSON ({e})") from None
     else:
         records = []
         for n, line in enumerate(text.splitlines(), 1):
             if line.strip():
                 try:
-                    records.append((json.loads(line), f"{path}:{n}"))
+                    records.append((json.loads(line), f"{name}:{n}"))
                 except json.JSONDecodeError as e:
-                    raise CloverError(f"{path}:{n}: not a JSON object ({e})") from None
+                    raise CloverError(f"{name}:{n}: not a JSON object ({e})") from None
     if not records:
-        raise CloverError(f"{path}: no prompts in the file")
+        raise CloverError(f"{name}: no prompts in the file")
     return records
 
 

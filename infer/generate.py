@@ -58,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", metavar="TEXT", help="one prompt, as text")
     src.add_argument("--prompts", metavar="FILE",
-                     help="JSONL file of prompts: {\"prompt\"}, Spec-Bench {\"turns\"} or ShareGPT "
-                          "{\"conversations\"} records (see below)")
+                     help="JSONL file of prompts (- reads standard input): {\"prompt\"}, Spec-Bench {\"turns\"} "
+                          "or ShareGPT {\"conversations\"} records (see below)")
     src.add_argument("--interactive", action="store_true",
                      help="chat on the terminal: each line typed is a user turn (implies --chat), the reply is "
                           "printed as it is written, and the conversation so far is the next prompt (its oldest "

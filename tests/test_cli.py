@@ -226,6 +226,18 @@ def test_prompts_file_reads_all_three_formats(model_dir, hf_tok, library, capsys
     assert STATS.match(err.strip()), err
 
 
+def test_prompts_from_standard_input(model_dir, hf_tok, library, capsys, monkeypatch):
+    """--prompts -: the records on standard input, as from a file; a bad one is named stdin:LINE."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO('{"prompt": "import os"}\n{"prompt": "class Point:"}\n'))
+    code, out, _ = run_cli(capsys, "--model", model_dir, "--prompts", "-", "--max-new-tokens", NEW, "--json")
+    assert code == 0
+    expected = library([hf_tok(p)["input_ids"] for p in ("import os", "class Point:")])
+    assert [json.loads(line)["tokens"] for line in out.splitlines()] == expected
+    monkeypatch.setattr(sys, "stdin", io.StringIO('{"prompt": "import os"}\nnot json\n'))
+    code, _, err = run_cli(capsys, "--model", model_dir, "--prompts", "-")
+    assert code == 2 and err.startswith("error: stdin:2: not a JSON object") and err.count("\n") == 1
+
+
 def test_json_output_one_object_per_prompt_across_batches(model_dir, hf_tok, library, capsys, tmp_path,
                                                           monkeypatch):
     prompts = ["def add(a, b):", "class Point:", "for i in range(10):"]
