@@ -108,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shard over devices: axis=size pairs over data, fsdp and model, e.g. data=2,model=4 "
                         "(the sizes multiply to the device count; default: one device)")
     cli.add_distributed_flags(p)
+    cli.add_compile_cache_flag(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per prompt (prompt, text, tokens, num_tokens, finish_reason: eos "
                         "or length, steps: the base model's forward passes for it, tau) instead of text separated "
@@ -241,6 +242,7 @@ def converse(generator: Generator, tokenizer, lines, *, system: str | None, max_
 
 
 def _generate(args: argparse.Namespace) -> int:
+    cli.use_compile_cache(args.compile_cache)
     if args.interactive or args.stream:  # both print one sequence's text as it is written
         fix = ("drop --json" if args.json else
                f"drop --batch-size {args.batch_size}" if args.batch_size not in (None, 1) else None)

@@ -31,6 +31,10 @@ from clover_jax.decode import Generator
 from clover_jax.heads import Heads, HeadsConfig
 from train import tokenizer as tokenizer_lib
 
+# The tools keep compiled programs in the user's cache folder by default (--compile-cache); the suite
+# writes none there: the test of the cache gives it a folder of its own.
+os.environ["CLOVER_JAX_COMPILE_CACHE"] = "off"
+
 VOCAB = 64
 EOS, BOS, PAD = 2, 1, 0
 # Generation prompts of different lengths (one bucket) shared by the decode and sampling tests, so the

@@ -7,6 +7,7 @@ output is checked against the library called directly, so the tool adds no token
 
 import io
 import json
+import os
 import pathlib
 import re
 import subprocess
@@ -28,7 +29,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 FLAGS = ("--model", "--prompt", "--prompts", "--chat", "--method", "--max-new-tokens", "--temperature",
          "--top-p", "--top-k", "--seed", "--dtype", "--max-len", "--batch-size", "--json",
          "--heads", "--tree", "--draft-vocab", "--num-heads", "--mesh", "--coordinator", "--num-processes", "--process-id",
-         "--stream", "--system", "--interactive")
+         "--stream", "--system", "--interactive", "--compile-cache")
 STATS = re.compile(r"^\[(plain|medusa|clover|clover2)\]( tree=\d+ nodes, depth \d+, drafting from (all|\d+) tokens)? "
                    r"new_tokens=\d+ steps=\d+ tau=[\d.]+ tokens/s=[\d.]+ compile=[\d.]+s run=[\d.]+s$")
 NEW = 6  # new tokens per prompt in every test, so most tests share one compiled shape
@@ -409,6 +410,28 @@ def test_runs_as_a_module(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "--max-new-tokens" in proc.stdout
+
+
+def test_compiled_programs_are_kept_between_runs(model_dir, tmp_path):
+    """--compile-cache: the first run writes its compiled programs there, a second run loads them and
+    writes the same text; off writes nothing; a folder that cannot be written to is one error line."""
+    env = {**os.environ, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}  # the tiny model compiles fast
+    cache = tmp_path / "xla"
+
+    def run(*flags):
+        return subprocess.run([sys.executable, "-m", "infer.generate", "--model", str(model_dir), "--prompt", "x",
+                               "--max-new-tokens", "4", *flags], capture_output=True, text=True, timeout=300, env=env)
+
+    first = run("--compile-cache", str(cache))
+    files = sorted(p.name for p in cache.iterdir())
+    second = run("--compile-cache", str(cache))
+    assert first.returncode == second.returncode == 0 and files and first.stdout == second.stdout
+    assert sorted(p.name for p in cache.iterdir()) == files  # loaded, not compiled and written again
+    env[cli.COMPILE_CACHE_ENV] = str(tmp_path / "from-env")
+    assert run("--compile-cache", "off").returncode == 0 and not (tmp_path / "from-env").exists()
+    (tmp_path / "a-file").write_text("")
+    bad = run("--compile-cache", str(tmp_path / "a-file" / "xla"))
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "cannot write there" in bad.stderr
 
 
 def test_ci_runs_the_readmes_test_command():

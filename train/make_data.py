@@ -231,10 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", metavar="SPEC",
                    help="shard the base model over this process's devices, e.g. model=8 or data=2,model=4 (axes "
                         "data, fsdp, model; --batch-size must divide by data x fsdp); default: one device")
+    cli.add_compile_cache_flag(p)
     return p
 
 
 def make_data(args: argparse.Namespace) -> int:
+    cli.use_compile_cache(args.compile_cache)
     for name in ("max_new_tokens", "batch_size"):
         if getattr(args, name) < 1:
             raise CloverError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")

@@ -117,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shard base, heads, optimizer state and batches over devices, e.g. data=4,model=2 "
                         "(axes data, fsdp, model; a resumed run may use another mesh)")
     cli.add_distributed_flags(p)
+    cli.add_compile_cache_flag(p)
     return p
 
 
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args) -> int:
+    cli.use_compile_cache(args.compile_cache)
     for name in ("steps", "batch_size", "seq_len", "eval_every", "ckpt_every", "keep"):
         if getattr(args, name) < 1:
             raise CloverError(f"--{name.replace('_', '-')} must be >= 1")
