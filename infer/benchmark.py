@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "same prompts (all); or the first turns only (first). Without --chat only the first "
                         "(default: all with --chat)")
     p.add_argument("--num-prompts", type=int, default=24, metavar="N", help="first N prompts of the file (default: %(default)s)")
+    p.add_argument("--per-task", type=int, metavar="N",
+                   help="instead of --num-prompts: the first N prompts of each Spec-Bench task (records' "
+                        "\"category\"; MT-Bench's eight count as one), for every task in a run of modest length")
     p.add_argument("--batch-sizes", default="1,8", metavar="LIST", help="comma-separated batch sizes (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=96, metavar="N", help="tokens generated per prompt (default: %(default)s)")
     p.add_argument("--temperatures", default="0", metavar="LIST",
@@ -202,6 +205,22 @@ def task_of(record: dict) -> str | None:
     if not isinstance(category, str) or not category:
         return None
     return "mt_bench" if category in MT_BENCH_CATEGORIES else category
+
+
+def first_of_each_task(records: list[tuple[dict, str]], n: int) -> list[tuple[dict, str]]:
+    """The first `n` records of each task (`task_of`), in the file's order; one error line when no
+    record names one."""
+    taken: dict[str, int] = {}
+    out = []
+    for record, where in records:
+        task = task_of(record) if isinstance(record, dict) else None
+        if task is not None and taken.get(task, 0) < n:
+            taken[task] = taken.get(task, 0) + 1
+            out.append((record, where))
+    if not out:
+        raise CloverError("--per-task: no record of the prompts file names a \"category\" (Spec-Bench's "
+                          "question.jsonl does); use --num-prompts")
+    return out
 
 
 def per_task(tasks: list[str | None], new: list[int], seq_steps: list[int] | None, seconds: list[list[float]],
@@ -325,7 +344,8 @@ def _benchmark(args: argparse.Namespace) -> int:
         raise CloverError(f"--methods: unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
     methods = ["plain"] + [m for m in dict.fromkeys(methods) if m != "plain"]
     sizes = _numbers(args.batch_sizes, "--batch-sizes", int, "integers", "1,8", 1)
-    for flag, value in (("--num-prompts", args.num_prompts), ("--max-new-tokens", args.max_new_tokens),
+    for flag, value in (("--num-prompts", args.num_prompts), ("--per-task", 1 if args.per_task is None else args.per_task),
+                        ("--max-new-tokens", args.max_new_tokens),
                         ("--repeats", args.repeats)):
         if value < 1:
             raise CloverError(f"{flag} {value} must be >= 1")
@@ -341,7 +361,8 @@ def _benchmark(args: argparse.Namespace) -> int:
     if args.turns == "all" and not args.chat:
         raise CloverError("--turns all asks later turns after the conversation so far, as the chat template renders "
                           "it; add --chat, or drop --turns")
-    records = cli.read_records(prompt_file)[: args.num_prompts]
+    records = cli.read_records(prompt_file)
+    records = records[: args.num_prompts] if args.per_task is None else first_of_each_task(records, args.per_task)
     texts = cli.prompt_turns(records)
     prompts = cli.encode_prompts(tokenizer, texts, args.chat, args.system, cfg.bos_token_id)
     mesh = make_mesh(args.mesh) if args.mesh else None
@@ -429,7 +450,7 @@ def _benchmark(args: argparse.Namespace) -> int:
               "profile": profiles or None,
               "machine": report.machine_info(bandwidth),
               "settings": dict(model=str(path), prompts=str(prompt_file), num_prompts=len(prompts),
-                               num_records=len(records), chat=args.chat, system=args.system,
+                               num_records=len(records), per_task=args.per_task, chat=args.chat, system=args.system,
                                turns="all" if args.chat and args.turns != "first" else "first",
                                max_new_tokens=args.max_new_tokens, repeats=args.repeats, dtype=args.dtype,
                                mesh=args.mesh,

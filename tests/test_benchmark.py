@@ -79,6 +79,8 @@ def test_benchmark_runs_and_reports(tmp_path, capsys):
     (["--prompts", "/nonexistent.jsonl"], "/nonexistent.jsonl"),
     (["--turns", "all"], "--turns all asks later turns after the conversation so far, as the chat template renders "
                          "it; add --chat"),
+    (["--per-task", "0"], "--per-task 0 must be >= 1"),
+    (["--per-task", "2"], "--per-task: no record of the prompts file names a \"category\""),
 ])
 def test_benchmark_bad_input_is_one_line(args, message, capsys):
     assert benchmark.main(args) == 2
@@ -184,6 +186,10 @@ def test_per_task_figures_are_each_tasks_own_prompts_and_batches():
         "tokens_per_s"] == 8 / 2.0
     mixed = benchmark.per_task(["a", "b", "b", None], [4] * 4, [2] * 4, [[1.0, 1.0]], 2)
     assert mixed["a"]["tokens_per_s"] is None and mixed["b"]["tokens_per_s"] is None and set(mixed) == {"a", "b"}
+    # --per-task N: the first N records of each task, in the file's order
+    records = [({"category": c, "turns": [str(i)]}, f"q:{i}") for i, c in
+               enumerate(["writing", "math", "writing", "qa", "humanities", "qa", "qa"])] + [({"prompt": "x"}, "q:7")]
+    assert [w for _, w in benchmark.first_of_each_task(records, 2)] == ["q:0", "q:1", "q:3", "q:5"]  # math is MT-Bench's
 
 
 def test_benchmark_reports_spec_bench_tasks(tmp_path, capsys):
