@@ -270,6 +270,7 @@ def default_compile_cache() -> str:
 
 
 def add_compile_cache_flag(p) -> None:
+    """--compile-cache: where compiled programs are kept between runs (`use_compile_cache`)."""
     p.add_argument("--compile-cache", metavar="DIR", default=None,
                    help="folder where XLA keeps the compiled programs between runs, so that a later run of the same "
                         "shapes loads them instead of compiling again (the reference model's Clover-2 on the CPU: "

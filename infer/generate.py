@@ -13,6 +13,7 @@ import json
 import sys
 
 import jax.numpy as jnp
+from tqdm import tqdm
 
 from clover_jax.checkpoint import load_draft_vocab, load_heads
 from clover_jax.config import ModelConfig
@@ -277,6 +278,10 @@ def _generate(args: argparse.Namespace) -> int:
         print(tally.line(args.method, generator), file=sys.stderr)
         return 0
     tally = Tally()
+    # Progress on the terminal while the answers go to a file (--prompts ... > answers.jsonl); on the
+    # terminal the answers themselves show it.
+    bar = tqdm(total=len(prompts), desc="generate", unit="prompt", file=sys.stderr, leave=False, dynamic_ncols=True,
+               disable=len(groups) < 2 or sys.stdout.isatty() or not sys.stderr.isatty())
     for k, (group, real) in enumerate(groups):
         printer = None
         if args.stream:
@@ -302,6 +307,8 @@ def _generate(args: argparse.Namespace) -> int:
                     print("---")
                 print(text)
         sys.stdout.flush()
+        bar.update(real)
+    bar.close()
     print(tally.line(args.method, generator), file=sys.stderr)
     return 0
 

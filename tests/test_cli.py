@@ -227,6 +227,23 @@ def test_prompts_file_reads_all_three_formats(model_dir, hf_tok, library, capsys
     assert STATS.match(err.strip()), err
 
 
+def test_progress_bar_while_the_answers_go_to_a_file(model_dir, capsys, tmp_path, monkeypatch):
+    """Several batches with stdout redirected and stderr a terminal: a progress bar over the prompts on
+    stderr, cleared before the statistics line; with the answers on the terminal, none."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("a", "b", "c")))
+    monkeypatch.setenv("COLUMNS", "100")
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    code, _, err = run_cli(capsys, "--model", model_dir, "--prompts", path, "--max-new-tokens", NEW,
+                           "--batch-size", 2, "--json")
+    assert code == 0 and "generate:   0%" in err and "0/3 [" in err  # (later states: as time allows)
+    assert STATS.match(err.rsplit("\r", 1)[-1].strip())  # the bar's last state is wiped, then the statistics
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    code, _, err = run_cli(capsys, "--model", model_dir, "--prompts", path, "--max-new-tokens", NEW,
+                           "--batch-size", 2, "--json")
+    assert code == 0 and "generate:" not in err and STATS.match(err.strip())
+
+
 def test_prompts_from_standard_input(model_dir, hf_tok, library, capsys, monkeypatch):
     """--prompts -: the records on standard input, as from a file; a bad one is named stdin:LINE."""
     monkeypatch.setattr(sys, "stdin", io.StringIO('{"prompt": "import os"}\n{"prompt": "class Point:"}\n'))
