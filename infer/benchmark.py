@@ -354,7 +354,7 @@ def _benchmark(args: argparse.Namespace) -> int:
                for dv in ([None] if m == "plain" else draft_vocabs)]
     path = cli.model_dir(args.model)
     cfg = ModelConfig.from_pretrained(path)
-    tokenizer = cli.load_tokenizer(path)
+    tokenizer = cli.load_tokenizer(path, cli.chat_template_flag(args.chat, args.chat_template))
     prompt_file = args.prompts or path / "prompts.jsonl"
     if args.prompts is None and not Path(prompt_file).is_file():
         raise CloverError(f"no prompts file at {prompt_file}; pass --prompts FILE")
@@ -450,7 +450,8 @@ def _benchmark(args: argparse.Namespace) -> int:
               "profile": profiles or None,
               "machine": report.machine_info(bandwidth),
               "settings": dict(model=str(path), prompts=str(prompt_file), num_prompts=len(prompts),
-                               num_records=len(records), per_task=args.per_task, chat=args.chat, system=args.system,
+                               num_records=len(records), per_task=args.per_task, chat=args.chat,
+                               chat_template=args.chat_template, system=args.system,
                                turns="all" if args.chat and args.turns != "first" else "first",
                                max_new_tokens=args.max_new_tokens, repeats=args.repeats, dtype=args.dtype,
                                mesh=args.mesh,

@@ -254,7 +254,7 @@ def _generate(args: argparse.Namespace) -> int:
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     path = cli.model_dir(args.model)
     cfg = ModelConfig.from_pretrained(path)
-    tokenizer = cli.load_tokenizer(path)
+    tokenizer = cli.load_tokenizer(path, cli.chat_template_flag(args.chat, args.chat_template))
     if args.interactive:
         cli.render_chat(tokenizer, cli.chat_messages([], "", args.system))  # no chat template: one line, before loading
         texts = []

@@ -29,7 +29,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 FLAGS = ("--model", "--prompt", "--prompts", "--chat", "--method", "--max-new-tokens", "--temperature",
          "--top-p", "--top-k", "--seed", "--dtype", "--max-len", "--batch-size", "--json",
          "--heads", "--tree", "--draft-vocab", "--num-heads", "--mesh", "--coordinator", "--num-processes", "--process-id",
-         "--stream", "--system", "--interactive", "--compile-cache")
+         "--stream", "--system", "--interactive", "--compile-cache", "--chat-template")
 STATS = re.compile(r"^\[(plain|medusa|clover|clover2)\]( tree=\d+ nodes, depth \d+, drafting from (all|\d+) tokens)? "
                    r"new_tokens=\d+ steps=\d+ tau=[\d.]+ tokens/s=[\d.]+ compile=[\d.]+s run=[\d.]+s$")
 NEW = 6  # new tokens per prompt in every test, so most tests share one compiled shape
@@ -287,6 +287,24 @@ def test_json_output_one_object_per_prompt_across_batches(model_dir, hf_tok, lib
     assert code == 0 and last == library([hf_tok(prompts[2])["input_ids"]], SamplingConfig(temperature=1.0), 5)[0]
 
 
+def test_chat_template_flag_vicuna_and_a_file(model_dir, no_chat_dir, library, capsys, tmp_path):
+    """--chat-template vicuna renders FastChat's vicuna_v1.1 conversation exactly (Vicuna's tokenizer ships
+    no template); a file's template serves as well. Both work where the tokenizer has none."""
+    tok = cli.load_tokenizer(no_chat_dir, "vicuna")
+    text = cli.render_chat(tok, cli.chat_messages([("hi", "hello")], "q2"), add_generation_prompt=True)
+    assert text == f"{tok.bos_token}{cli.VICUNA_SYSTEM} USER: hi ASSISTANT: hello{tok.eos_token}USER: q2 ASSISTANT:"
+    text = cli.render_chat(tok, cli.chat_messages([], "hi", "be brief"), add_generation_prompt=True)
+    assert text == f"{tok.bos_token}be brief USER: hi ASSISTANT:"
+    code, out, _ = run_cli(capsys, "--model", no_chat_dir, "--prompt", "hi", "--chat", "--chat-template", "vicuna",
+                           "--system", "be brief", "--max-new-tokens", NEW, "--json")
+    assert code == 0 and json.loads(out)["tokens"] == library([tok(text, add_special_tokens=False)["input_ids"]])[0]
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
+    code, out, _ = run_cli(capsys, "--model", no_chat_dir, "--prompt", "hi", "--chat", "--chat-template", template,
+                           "--max-new-tokens", NEW, "--json")
+    assert code == 0 and json.loads(out)["tokens"] == library([tok("<hi>", add_special_tokens=False)["input_ids"]])[0]
+
+
 def test_chat_applies_the_template(model_dir, hf_tok, library, capsys):
     ids = cli.encode(hf_tok, "hi", chat=True)
     assert hf_tok.decode(ids) == "### User:\nhi\n### Assistant:\n"
@@ -364,7 +382,8 @@ def no_chat_dir(model_dir, tmp_path_factory):
                                   "bad top-p", "negative temperature", "bad max-new-tokens", "bad batch size",
                                   "bad prompts line", "missing prompts file", "no chat template",
                                   "stream with json", "stream with a batch",
-                                  "system without chat", "interactive with json", "interactive, no template"])
+                                  "system without chat", "interactive with json", "interactive, no template",
+                                  "unknown chat template", "chat template without chat"])
 def test_bad_input_is_one_error_line_and_exit_2(case, model_dir, no_chat_dir, capsys, tmp_path, monkeypatch):
     m = ["--model", model_dir]
     bad_line = tmp_path / "bad.jsonl"
@@ -389,6 +408,10 @@ def test_bad_input_is_one_error_line_and_exit_2(case, model_dir, no_chat_dir, ca
         "system without chat": (m + ["--prompt", "x", "--system", "be brief"], "--system is a turn of the chat template; add --chat"),
         "interactive with json": (m + ["--interactive", "--json"], "--interactive is a chat, one reply at a time, as text: drop --json"),
         "interactive, no template": (["--model", no_chat_dir, "--interactive"], "no chat template"),
+        "unknown chat template": (m + ["--prompt", "x", "--chat", "--chat-template", "vicunaa"],
+                                  "--chat-template vicunaa: neither a template name (vicuna) nor a readable file"),
+        "chat template without chat": (m + ["--prompt", "x", "--chat-template", "vicuna"],
+                                       "--chat-template is the template --chat renders prompts with; add --chat"),
     }[case]
     # The shipped model may or may not be built in this checkout; the error must not depend on it.
     monkeypatch.setattr(cli, "DEFAULT_MODEL_DIR", tmp_path / "models" / "reference")

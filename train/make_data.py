@@ -254,7 +254,7 @@ def make_data(args: argparse.Namespace) -> int:
                           "--chat, or drop --turns")
     all_turns = args.turns != "first" and args.chat
     records = read_examples(args.prompts)[: args.limit]
-    tokenizer = cli.load_tokenizer(base_dir)
+    tokenizer = cli.load_tokenizer(base_dir, cli.chat_template_flag(args.chat, args.chat_template))
     eos = cli.eos_ids(base_dir, cfg, tokenizer)
 
     if args.mode == "fixed":
@@ -304,7 +304,7 @@ def make_data(args: argparse.Namespace) -> int:
             "hidden_size": cfg.hidden_size, "num_examples": len(examples), "num_tokens": int(len(tokens)),
             "num_response_tokens": int(mask.sum()), "mode": args.mode, "max_len": max_len,
             "hidden_dtype": hidden_dtype, "prompts_file": str(args.prompts), "created_by": "train.make_data",
-            "chat": args.chat, "system": args.system, "turns": "all" if all_turns else "first", "dtype": args.dtype,
+            "chat": args.chat, "chat_template": args.chat_template, "system": args.system, "turns": "all" if all_turns else "first", "dtype": args.dtype,
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed}
     write_text(out / META, json.dumps(meta, indent=2) + "\n")
     print(f"wrote {len(examples)} examples ({len(tokens)} tokens, {meta['num_response_tokens']} in responses) "
