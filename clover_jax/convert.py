@@ -61,7 +61,9 @@ class _TensorFiles:
             others = sorted(p.name for p in model_dir.glob("*.safetensors"))
             if not others:
                 bins = [p.name for p in model_dir.glob("*.bin")] + [p.name for p in model_dir.glob("*.pt*")]
-                hint = " (only pickled weights found: convert them to safetensors first)" if bins else ""
+                hint = (" (only pickled weights found, which are never loaded here: a pickle can run code. Where "
+                        "you trust the files, convert them once with transformers: AutoModelForCausalLM."
+                        "from_pretrained(DIR).save_pretrained(DIR) writes safetensors beside them)") if bins else ""
                 raise CloverError(f"{model_dir}: no *.safetensors weights{hint}")
             files = others
         self.handles = {}
