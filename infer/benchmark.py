@@ -7,7 +7,9 @@ and optionally the Hugging Face `transformers` peer and a 7B/8B-shaped model's s
     python -m infer.benchmark --shape llama3-8b --batch-sizes 1   # on an accelerator
 
 Every prompt generates exactly --max-new-tokens tokens (EOS is not a stop), so every method does the
-same work; greedy outputs are checked against plain decoding's on the way. Times are medians over
+same work; or, with --stop-at-eos (the default with --chat, as Spec-Bench runs), each answer ends at the
+model's EOS, where a chat model's turn ends: greedy, every method then still writes the same tokens.
+Greedy outputs are checked against plain decoding's on the way. Times are medians over
 --repeats passes over the prompt set, after a warm-up pass that also compiles every bucket; the
 methods take their timed passes in turn, round by round, so a shared host's drifting load reaches
 them all alike.
@@ -92,7 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead of --num-prompts: the first N prompts of each Spec-Bench task (records' "
                         "\"category\"; MT-Bench's eight count as one), for every task in a run of modest length")
     p.add_argument("--batch-sizes", default="1,8", metavar="LIST", help="comma-separated batch sizes (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=96, metavar="N", help="tokens generated per prompt (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=96, metavar="N",
+                   help="tokens generated per prompt, exactly, or at most with --stop-at-eos (default: %(default)s)")
+    p.add_argument("--stop-at-eos", action=argparse.BooleanOptionalAction,
+                   help="end each answer at the model's EOS, as Spec-Bench does (a chat model's turn ends there; "
+                        "what follows is no answer), rather than always generating --max-new-tokens; greedy, "
+                        "every method still writes the same tokens (default: on with --chat, else off)")
     p.add_argument("--temperatures", default="0", metavar="LIST",
                    help="comma-separated sampling temperatures, 0 = greedy (default: %(default)s); speculative "
                         "sampling is lossless, so tau at 1 against 0 shows what sampling costs the drafts")
@@ -144,11 +151,13 @@ def _configs(specs: list[str], methods: list[str]) -> list[tuple[str, str | None
 
 
 def engine_pass(generator: Generator, prompts: list[list[int]], batch_size: int, max_new: int,
-                sampling: SamplingConfig, seed: int, progress) -> list[tuple[GenerationOutput, int]]:
-    """One pass over the prompts in batches: each batch's output and how many of its rows are real."""
+                sampling: SamplingConfig, seed: int, progress,
+                eos: tuple[int, ...] = ()) -> list[tuple[GenerationOutput, int]]:
+    """One pass over the prompts in batches: each batch's output and how many of its rows are real.
+    `eos`: the ids that end an answer (none: every answer runs to `max_new`)."""
     outs = []
     for k, (group, real) in enumerate(cli.padded_batches(prompts, batch_size)):
-        outs.append((generator.generate(group, max_new, sampling, seed=seed + k, eos_ids=(),
+        outs.append((generator.generate(group, max_new, sampling, seed=seed + k, eos_ids=eos,
                                         budgets=[max_new] * real + [0] * (len(group) - real)), real))
         progress.update(1)
     return outs
@@ -156,7 +165,8 @@ def engine_pass(generator: Generator, prompts: list[list[int]], batch_size: int,
 
 def run_engines(generators: dict[str, Generator], prompts: list[list[int]], batch_size: int, max_new: int,
                 repeats: int, progress, sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
-                tasks: list[str | None] | None = None) -> dict[str, tuple[dict, list[list[int]]]]:
+                tasks: list[str | None] | None = None,
+                eos: tuple[int, ...] = ()) -> dict[str, tuple[dict, list[list[int]]]]:
     """Statistics and tokens per generator: a warm-up pass of each (compiling every bucket; tokens and
     acceptance come from it), then `repeats` rounds in which each generator makes one timed pass in
     turn. A shared host's load drifts over a run; taking the generators in turn within every round
@@ -165,12 +175,12 @@ def run_engines(generators: dict[str, Generator], prompts: list[list[int]], batc
     warm = {}
     for name, gen in generators.items():
         progress.set_postfix_str(f"{name}, batch {batch_size}, T={sampling.temperature:g}, warm-up")
-        warm[name] = engine_pass(gen, prompts, batch_size, max_new, sampling, seed, progress)
+        warm[name] = engine_pass(gen, prompts, batch_size, max_new, sampling, seed, progress, eos)
     seconds: dict[str, list[list[float]]] = {name: [] for name in generators}  # per timed pass, per batch
     for rep in range(repeats):
         progress.set_postfix_str(f"batch {batch_size}, T={sampling.temperature:g}, timed round {rep + 1}/{repeats}")
         for name, gen in generators.items():
-            outs = engine_pass(gen, prompts, batch_size, max_new, sampling, seed, progress)
+            outs = engine_pass(gen, prompts, batch_size, max_new, sampling, seed, progress, eos)
             seconds[name].append([out.run_seconds for out, _ in outs])
     results = {}
     for name, gen in generators.items():
@@ -277,9 +287,11 @@ def with_later_turns(model, tokenizer, prompts: list[list[int]], records: list[t
 
 
 def run_hf(path: Path, prompts: list[list[int]], batch_size: int, max_new: int, repeats: int, dtype: str,
-           progress, tasks: list[str | None] | None = None) -> dict[str, tuple[dict, list[list[int]]]]:
+           progress, tasks: list[str | None] | None = None,
+           eos: tuple[int, ...] = ()) -> dict[str, tuple[dict, list[list[int]]]]:
     """`transformers` greedy generate on the same checkpoint and token ids; with batch 1 also prompt
-    lookup decoding (HF's assisted generation without a draft model). With `tasks`, also `per_task`."""
+    lookup decoding (HF's assisted generation without a draft model). With `tasks`, also `per_task`;
+    with `eos`, each answer ends at the first of them (else it runs to `max_new`)."""
     try:
         import torch
         from transformers import AutoModelForCausalLM
@@ -294,6 +306,7 @@ def run_hf(path: Path, prompts: list[list[int]], batch_size: int, max_new: int, 
     if batch_size == 1:
         modes["hf-prompt-lookup"] = {"prompt_lookup_num_tokens": 10}
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    stop = dict(eos_token_id=list(eos)) if eos else dict(min_new_tokens=max_new)
     results = {}
     for name, extra in modes.items():
         seconds, tokens = [], []  # per timed pass, per batch
@@ -307,11 +320,11 @@ def run_hf(path: Path, prompts: list[list[int]], batch_size: int, max_new: int, 
                 t0 = time.perf_counter()
                 with torch.no_grad():
                     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
-                                         min_new_tokens=max_new, do_sample=False, pad_token_id=pad, **extra)
+                                         do_sample=False, pad_token_id=pad, **stop, **extra)
                 run_s.append(time.perf_counter() - t0)
                 progress.update(1)
-                if rep == 0:
-                    tokens += [row[width:].tolist() for row in out]
+                if rep == 0:  # a row that ended early is padded after its EOS
+                    tokens += [up_to_eos(row[width:].tolist(), eos) for row in out]
             if rep:
                 seconds.append(run_s)
         new = sum(len(t) for t in tokens)
@@ -320,6 +333,11 @@ def run_hf(path: Path, prompts: list[list[int]], batch_size: int, max_new: int, 
             stats["per_task"] = per_task(tasks, [len(t) for t in tokens], None, seconds, batch_size)
         results[name] = (stats, tokens)
     return results
+
+
+def up_to_eos(tokens: list[int], eos: tuple[int, ...]) -> list[int]:
+    """`tokens` up to and including the first of `eos`."""
+    return next((tokens[: i + 1] for i, t in enumerate(tokens) if t in eos), tokens)
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
@@ -371,8 +389,9 @@ def _benchmark(args: argparse.Namespace) -> int:
 
     _check_outputs(args)
     tasks = [task_of(record) for record, _ in records]
+    eos = cli.eos_ids(path, cfg, tokenizer)
+    stop_at_eos = args.chat if args.stop_at_eos is None else args.stop_at_eos
     if args.chat and args.turns != "first":
-        eos = cli.eos_ids(path, cfg, tokenizer)
         systems = [cli.prompt_system(own, True, args.system) for _, own in texts]
         prompts, owners = with_later_turns(model, tokenizer, prompts, records, systems, args.max_new_tokens, eos,
                                            max(sizes), mesh)
@@ -397,7 +416,7 @@ def _benchmark(args: argparse.Namespace) -> int:
                         model, method, model_path=path, heads=heads, tree=spec, seed=args.seed, mesh=mesh,
                         draft_vocab=dv, greedy=sampling.greedy)
                 measured = run_engines(generators, prompts, b, args.max_new_tokens, args.repeats, progress,
-                                       sampling, args.seed, tasks)
+                                       sampling, args.seed, tasks, eos if stop_at_eos else ())
                 if args.profile and b == sizes[0] and temp == temps[0]:
                     group = cli.padded_batches(prompts, b)[0][0]
                     for name, gen in generators.items():
@@ -428,7 +447,7 @@ def _benchmark(args: argparse.Namespace) -> int:
             plain = next(r for r in rows if r.method == "plain" and r.batch_size == b)
             if args.hf:
                 for name, (stats, tokens) in run_hf(path, prompts, b, args.max_new_tokens, args.repeats,
-                                                    args.dtype, progress, tasks).items():
+                                                    args.dtype, progress, tasks, eos if stop_at_eos else ()).items():
                     row = Row(method=name, batch_size=b, tau=None, matches_plain=None if plain_tokens is None else
                               tokens == plain_tokens, speedup=stats["tokens_per_s"] / plain.tokens_per_s, **stats)
                     task_speedups(row, plain)
@@ -453,9 +472,8 @@ def _benchmark(args: argparse.Namespace) -> int:
                                num_records=len(records), per_task=args.per_task, chat=args.chat,
                                chat_template=args.chat_template, system=args.system,
                                turns="all" if args.chat and args.turns != "first" else "first",
-                               max_new_tokens=args.max_new_tokens, repeats=args.repeats, dtype=args.dtype,
-                               mesh=args.mesh,
-                               command=args.command)}
+                               max_new_tokens=args.max_new_tokens, stop_at_eos=stop_at_eos, repeats=args.repeats,
+                               dtype=args.dtype, mesh=args.mesh, command=args.command)}
     if args.json:
         report.write_json(result, args.json)
     if args.plot:

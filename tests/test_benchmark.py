@@ -164,7 +164,7 @@ def test_later_turns_are_asked_after_plain_greedy_answers(tmp_path, capsys):
         out = tmp_path / f"{turns}.json"
         assert benchmark.main(["--model", str(model_dir), "--methods", "plain", "--prompts", str(path), "--chat",
                                "--turns", turns, "--batch-sizes", "2", "--max-new-tokens", "6", "--repeats", "1",
-                               "--json", str(out)]) == 0
+                               "--no-stop-at-eos", "--json", str(out)]) == 0
         settings = json.loads(out.read_text())["settings"]
         assert settings["num_prompts"] == count and settings["num_records"] == 3 and settings["turns"] == turns
         assert json.loads(out.read_text())["results"][0]["new_tokens"] == count * 6
@@ -218,6 +218,30 @@ def test_benchmark_reports_spec_bench_tasks(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "speedup over plain (tau) per task; prompts: mt_bench 2, translation 1" in text
     assert "per task, batch 3" in text and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_stop_at_eos_ends_each_answer_where_the_model_does(tmp_path):
+    """--chat stops each answer at the model's EOS, as Spec-Bench does (--no-stop-at-eos: exactly
+    --max-new-tokens); the transformers rows stop there too and write the same tokens."""
+    model_dir = tiny_llama_checkpoint(tmp_path / "model", max_position_embeddings=128)
+    tok = cli.load_tokenizer(model_dir)
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": list(range(1, tok.vocab_size, 2))}))
+    texts = ["x = 1", "def f():", "import os"]
+    path, out = tmp_path / "q.jsonl", tmp_path / "r.json"
+    path.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    assert benchmark.main(["--model", str(model_dir), "--methods", "plain", "--prompts", str(path), "--chat",
+                           "--batch-sizes", "1,2", "--max-new-tokens", "8", "--repeats", "1", "--hf",
+                           "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    model = load_pretrained(model_dir)[1]
+    eos = cli.eos_ids(model_dir, model.cfg, tok)
+    answers = Generator(model).generate([cli.encode(tok, t, chat=True) for t in texts], 8, eos_ids=eos).tokens
+    assert all(a[-1] in eos for a in answers) and sum(map(len, answers)) < 3 * 8  # the seed gives early ends
+    assert result["settings"]["stop_at_eos"] is True
+    for r in result["results"]:
+        assert r["new_tokens"] == sum(map(len, answers)), r["method"]
+        assert r["matches_plain"] is not False
+    assert {r["method"] for r in result["results"]} == {"plain", "hf-generate", "hf-prompt-lookup"}
 
 
 def test_acceptance_curves_merge_draft_vocabularies_that_accept_alike():
