@@ -26,6 +26,7 @@ from clover_jax.sampling import SamplingConfig
 from clover_jax.speculative import SpeculativeGenerator
 from clover_jax.tree import resolve_tree
 from infer import cli
+from infer.conversation import answer_turns, record_turns
 
 METHODS = ("plain",) + HEAD_METHODS
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -66,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "printed as it is written, and the conversation so far is the next prompt (its oldest "
                           "exchanges dropped when it no longer fits --max-len); Ctrl-D ends it")
     cli.add_chat_flags(p)
+    p.add_argument("--turns", choices=("first", "all"), default="first",
+                   help="with --prompts and --chat: answer each record's first user turn (first), or every user "
+                        "turn in turn, each after the conversation so far with the model's own earlier answers, "
+                        "as FastChat answers MT-Bench (all: Spec-Bench's two turns, ShareGPT's human turns; a "
+                        "conversation ends at an answer cut short by --max-new-tokens or that leaves no room in "
+                        "--max-len; with --json each object also gives record and turn, from 1) (default: "
+                        "%(default)s)")
     p.add_argument("--method", choices=METHODS, default="plain",
                    help="decoding method: plain (one token per forward pass) or speculative decoding with "
                         "medusa, clover or clover2 draft heads (default: %(default)s)")
@@ -242,6 +250,50 @@ def converse(generator: Generator, tokenizer, lines, *, system: str | None, max_
                                                  skip_special_tokens=True)))
 
 
+def answer_line(tokenizer, prompt: str, tokens: list[int], steps: int, eos: tuple[int, ...], as_json: bool,
+                **fields) -> str:
+    """One answer as it is printed: its text, or with --json its object (`fields` after the prompt)."""
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    if not as_json:
+        return text
+    return json.dumps({"prompt": prompt, **fields, "text": text, "tokens": tokens, "num_tokens": len(tokens),
+                       "finish_reason": "eos" if tokens and tokens[-1] in eos else "length", "steps": steps,
+                       "tau": round(len(tokens) / max(steps, 1), 4)}, ensure_ascii=False)
+
+
+def answer_every_turn(generator: Generator, tokenizer, records, texts, prompts: list[list[int]], *,
+                      system: str | None, batch_size: int, max_new_tokens: int, sampling: SamplingConfig, seed: int,
+                      eos: tuple[int, ...], tally: Tally) -> list[list[tuple[str, list[int], int]]]:
+    """--turns all: each record's user turns answered in turn, each after the conversation so far with the
+    model's own earlier answers, as FastChat's gen_model_answer answers MT-Bench (`answer_turns`). Per
+    record, (user turn, answer, forward passes) of each turn answered; batch k takes seed + k over all
+    the turns."""
+    users = [record_turns(record, where)[0] for record, where in records]
+    systems = [cli.prompt_system(own, True, system) for _, own in texts]
+    steps_by_turn: list[list[int]] = []  # per turn, per conversation asked it (in order)
+    batches = 0
+
+    def answer(batch: list[list[int]], turn: int) -> list[list[int]]:
+        nonlocal batches
+        replies, steps = [], []
+        for group, real in cli.padded_batches(batch, min(batch_size, len(batch))):
+            out = generator.generate(group, max_new_tokens, sampling=sampling, seed=seed + batches, eos_ids=eos,
+                                     budgets=[max_new_tokens] * real + [0] * (len(group) - real))
+            batches += 1
+            tally.add(out, real)
+            replies += out.tokens[:real]
+            steps += out.sequence_steps[:real]
+        steps_by_turn.append(steps)
+        return replies
+
+    turns = answer_turns(answer, tokenizer, users, systems, prompts, eos, generator.max_len - max_new_tokens + 1,
+                         [where for _, where in records])
+    # Turn t was asked of the conversations that reached it, in order: conversation i is the one after
+    # as many earlier ones as reached it too.
+    return [[(users[i][t], reply, steps_by_turn[t][sum(len(turns[j]) > t for j in range(i))])
+             for t, (_, _, reply) in enumerate(conversation)] for i, conversation in enumerate(turns)]
+
+
 def _generate(args: argparse.Namespace) -> int:
     cli.use_compile_cache(args.compile_cache)
     if args.interactive or args.stream:  # both print one sequence's text as it is written
@@ -251,6 +303,10 @@ def _generate(args: argparse.Namespace) -> int:
             what = "--interactive is a chat, one reply" if args.interactive else "--stream prints one prompt"
             raise CloverError(f"{what} at a time, as text: {fix}")
     args.chat = args.chat or args.interactive
+    if args.turns == "all" and (args.prompts is None or args.stream or not args.chat):
+        raise CloverError("--turns all answers the turns of --prompts records in turn, through the chat template: "
+                          + ("give --prompts" if args.prompts is None else "drop --stream" if args.stream else
+                             "add --chat"))
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     path = cli.model_dir(args.model)
     cfg = ModelConfig.from_pretrained(path)
@@ -259,7 +315,8 @@ def _generate(args: argparse.Namespace) -> int:
         cli.render_chat(tokenizer, cli.chat_messages([], "", args.system))  # no chat template: one line, before loading
         texts = []
     else:
-        texts = [(args.prompt, None)] if args.prompt is not None else cli.read_prompt_turns(args.prompts)
+        records = [] if args.prompt is not None else cli.read_records(args.prompts)
+        texts = [(args.prompt, None)] if args.prompt is not None else cli.prompt_turns(records)
     prompts = cli.encode_prompts(tokenizer, texts, args.chat, args.system, cfg.bos_token_id)
     eos = cli.eos_ids(path, cfg, tokenizer)
     size = args.batch_size if args.batch_size is not None else 1 if args.stream else 8
@@ -278,6 +335,15 @@ def _generate(args: argparse.Namespace) -> int:
         print(tally.line(args.method, generator), file=sys.stderr)
         return 0
     tally = Tally()
+    if args.turns == "all":
+        answers = answer_every_turn(generator, tokenizer, records, texts, prompts, system=args.system,
+                                    batch_size=size, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                    seed=args.seed, eos=eos, tally=tally)
+        lines = [answer_line(tokenizer, user, tokens, steps, eos, args.json, record=i + 1, turn=t + 1)
+                 for i, conversation in enumerate(answers) for t, (user, tokens, steps) in enumerate(conversation)]
+        print(("\n" if args.json else "\n---\n").join(lines))
+        print(tally.line(args.method, generator), file=sys.stderr)
+        return 0
     # Progress on the terminal while the answers go to a file (--prompts ... > answers.jsonl); on the
     # terminal the answers themselves show it.
     bar = tqdm(total=len(prompts), desc="generate", unit="prompt", file=sys.stderr, leave=False, dynamic_ncols=True,
@@ -297,15 +363,9 @@ def _generate(args: argparse.Namespace) -> int:
                 printer.show(tokens, final=True)
                 print()
                 continue
-            text = tokenizer.decode(tokens, skip_special_tokens=True)
-            if args.json:
-                print(json.dumps({"prompt": texts[i][0], "text": text, "tokens": tokens, "num_tokens": len(tokens),
-                                  "finish_reason": "eos" if tokens and tokens[-1] in eos else "length",
-                                  "steps": steps, "tau": round(len(tokens) / max(steps, 1), 4)}, ensure_ascii=False))
-            else:
-                if i:
-                    print("---")
-                print(text)
+            if i and not args.json:
+                print("---")
+            print(answer_line(tokenizer, texts[i][0], tokens, steps, eos, args.json))
         sys.stdout.flush()
         bar.update(real)
     bar.close()

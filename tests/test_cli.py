@@ -23,13 +23,13 @@ from clover_jax.errors import CloverError
 from clover_jax.model import Llama
 from clover_jax.sampling import SamplingConfig
 from conftest import tiny_llama_checkpoint
-from infer import cli, generate
+from infer import cli, conversation, generate
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FLAGS = ("--model", "--prompt", "--prompts", "--chat", "--method", "--max-new-tokens", "--temperature",
          "--top-p", "--top-k", "--seed", "--dtype", "--max-len", "--batch-size", "--json",
          "--heads", "--tree", "--draft-vocab", "--num-heads", "--mesh", "--coordinator", "--num-processes", "--process-id",
-         "--stream", "--system", "--interactive", "--compile-cache", "--chat-template")
+         "--stream", "--system", "--interactive", "--compile-cache", "--chat-template", "--turns")
 STATS = re.compile(r"^\[(plain|medusa|clover|clover2)\]( tree=\d+ nodes, depth \d+, drafting from (all|\d+) tokens)? "
                    r"new_tokens=\d+ steps=\d+ tau=[\d.]+ tokens/s=[\d.]+ compile=[\d.]+s run=[\d.]+s$")
 NEW = 6  # new tokens per prompt in every test, so most tests share one compiled shape
@@ -303,6 +303,32 @@ def test_chat_template_flag_vicuna_and_a_file(model_dir, no_chat_dir, library, c
     code, out, _ = run_cli(capsys, "--model", no_chat_dir, "--prompt", "hi", "--chat", "--chat-template", template,
                            "--max-new-tokens", NEW, "--json")
     assert code == 0 and json.loads(out)["tokens"] == library([tok("<hi>", add_special_tokens=False)["input_ids"]])[0]
+
+
+def test_turns_all_answers_each_turn_after_the_models_own_answers(capsys, tmp_path):
+    """--turns all: a record's second turn is asked after the conversation so far, with the model's own
+    first answer in it, as FastChat answers MT-Bench; one JSON object per turn answered, by record."""
+    model_dir = tiny_llama_checkpoint(tmp_path / "model", max_position_embeddings=128)
+    tok = cli.load_tokenizer(model_dir)
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": list(range(1, tok.vocab_size, 2))}))
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps({"turns": ["x = 1", "y?"]}) + "\n" + json.dumps({"prompt": "z"}) + "\n")
+    code, out, err = run_cli(capsys, "--model", model_dir, "--prompts", path, "--chat", "--turns", "all",
+                             "--max-new-tokens", 8, "--batch-size", 2, "--json")
+    assert code == 0 and STATS.match(err.strip().splitlines()[-1]), err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [(r["record"], r["turn"], r["prompt"]) for r in rows] == [(1, 1, "x = 1"), (1, 2, "y?"), (2, 1, "z")]
+    model = load_pretrained(model_dir)[1]
+    gen, eos = Generator(model, max_len=128), cli.eos_ids(model_dir, model.cfg, tok)
+    first = gen.generate([cli.encode(tok, "x = 1", chat=True)], 8, eos_ids=eos)
+    assert first.tokens[0][-1] in eos  # it ended, so the second turn was asked
+    history = [("x = 1", tok.decode(first.tokens[0][:-1], skip_special_tokens=True))]
+    second = gen.generate([conversation.encode_conversation(tok, history, None, eos, "", then="y?")[0]], 8, eos_ids=eos)
+    assert [r["tokens"] for r in rows[:2]] == [first.tokens[0], second.tokens[0]]
+    assert rows[1]["steps"] == second.sequence_steps[0]
+    for argv, needle in (([], "add --chat"), (["--stream", "--chat"], "drop --stream")):
+        code, _, err = run_cli(capsys, "--model", model_dir, "--prompts", path, "--turns", "all", *argv)
+        assert code == 2 and err.count("\n") == 1 and needle in err
 
 
 def test_chat_applies_the_template(model_dir, hf_tok, library, capsys):
