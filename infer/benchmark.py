@@ -157,8 +157,8 @@ def engine_pass(generator: Generator, prompts: list[list[int]], batch_size: int,
     `eos`: the ids that end an answer (none: every answer runs to `max_new`)."""
     outs = []
     for k, (group, real) in enumerate(cli.padded_batches(prompts, batch_size)):
-        outs.append((generator.generate(group, max_new, sampling, seed=seed + k, eos_ids=eos,
-                                        budgets=[max_new] * real + [0] * (len(group) - real)), real))
+        outs.append((cli.generate_padded(generator, group, real, max_new, sampling=sampling, seed=seed + k,
+                                         eos_ids=eos), real))
         progress.update(1)
     return outs
 
@@ -198,7 +198,7 @@ def run_engines(generators: dict[str, Generator], prompts: list[list[int]], batc
                      compile_s=sum(out.compile_seconds for out, _ in outs), compilations=gen.compilations,
                      buckets=len({bucket_for(max(len(p) for p in group), gen.buckets)
                                   for group, _ in cli.padded_batches(prompts, batch_size)}))
-        if tasks and any(tasks):
+        if tasks:
             stats["per_task"] = per_task(tasks, [len(t) for t in tokens], seq_steps, seconds[name], batch_size)
         results[name] = (stats, tokens)
     return results
@@ -276,8 +276,7 @@ def with_later_turns(model, tokenizer, prompts: list[list[int]], records: list[t
                   file=sys.stderr)
         out = []
         for group, real in cli.padded_batches(batch, batch_size):
-            out += gen.generate(group, max_new, eos_ids=eos, budgets=[max_new] * real + [0] * (len(group) - real)
-                                ).tokens[:real]
+            out += cli.generate_padded(gen, group, real, max_new, eos_ids=eos).tokens[:real]
         return out
 
     turns = answer_turns(answer, tokenizer, users, systems, prompts, eos, gen.max_len - max_new + 1,
@@ -329,7 +328,7 @@ def run_hf(path: Path, prompts: list[list[int]], batch_size: int, max_new: int, 
                 seconds.append(run_s)
         new = sum(len(t) for t in tokens)
         stats = dict(tokens_per_s=new / statistics.median(sum(p) for p in seconds), new_tokens=new)
-        if tasks and any(tasks):
+        if tasks:
             stats["per_task"] = per_task(tasks, [len(t) for t in tokens], None, seconds, batch_size)
         results[name] = (stats, tokens)
     return results
@@ -391,6 +390,7 @@ def _benchmark(args: argparse.Namespace) -> int:
     tasks = [task_of(record) for record, _ in records]
     eos = cli.eos_ids(path, cfg, tokenizer)
     stop_at_eos = args.chat if args.stop_at_eos is None else args.stop_at_eos
+    answer_eos = eos if stop_at_eos else ()  # what ends a measured answer
     if args.chat and args.turns != "first":
         systems = [cli.prompt_system(own, True, args.system) for _, own in texts]
         prompts, owners = with_later_turns(model, tokenizer, prompts, records, systems, args.max_new_tokens, eos,
@@ -416,7 +416,7 @@ def _benchmark(args: argparse.Namespace) -> int:
                         model, method, model_path=path, heads=heads, tree=spec, seed=args.seed, mesh=mesh,
                         draft_vocab=dv, greedy=sampling.greedy)
                 measured = run_engines(generators, prompts, b, args.max_new_tokens, args.repeats, progress,
-                                       sampling, args.seed, tasks, eos if stop_at_eos else ())
+                                       sampling, args.seed, tasks, answer_eos)
                 if args.profile and b == sizes[0] and temp == temps[0]:
                     group = cli.padded_batches(prompts, b)[0][0]
                     for name, gen in generators.items():
@@ -447,7 +447,7 @@ def _benchmark(args: argparse.Namespace) -> int:
             plain = next(r for r in rows if r.method == "plain" and r.batch_size == b)
             if args.hf:
                 for name, (stats, tokens) in run_hf(path, prompts, b, args.max_new_tokens, args.repeats,
-                                                    args.dtype, progress, tasks, eos if stop_at_eos else ()).items():
+                                                    args.dtype, progress, tasks, answer_eos).items():
                     row = Row(method=name, batch_size=b, tau=None, matches_plain=None if plain_tokens is None else
                               tokens == plain_tokens, speedup=stats["tokens_per_s"] / plain.tokens_per_s, **stats)
                     task_speedups(row, plain)

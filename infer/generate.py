@@ -277,8 +277,8 @@ def answer_every_turn(generator: Generator, tokenizer, records, texts, prompts: 
         nonlocal batches
         replies, steps = [], []
         for group, real in cli.padded_batches(batch, min(batch_size, len(batch))):
-            out = generator.generate(group, max_new_tokens, sampling=sampling, seed=seed + batches, eos_ids=eos,
-                                     budgets=[max_new_tokens] * real + [0] * (len(group) - real))
+            out = cli.generate_padded(generator, group, real, max_new_tokens, sampling=sampling,
+                                      seed=seed + batches, eos_ids=eos)
             batches += 1
             tally.add(out, real)
             replies += out.tokens[:real]
@@ -354,9 +354,8 @@ def _generate(args: argparse.Namespace) -> int:
             if group[0]:
                 print("---", flush=True)
             printer = StreamPrinter(tokenizer)
-        out = generator.generate([prompts[i] for i in group], args.max_new_tokens, sampling=sampling,
-                                 seed=args.seed + k, eos_ids=eos, on_tokens=printer,
-                                 budgets=[args.max_new_tokens] * real + [0] * (len(group) - real))
+        out = cli.generate_padded(generator, [prompts[i] for i in group], real, args.max_new_tokens,
+                                  sampling=sampling, seed=args.seed + k, eos_ids=eos, on_tokens=printer)
         tally.add(out, real)
         for i, tokens, steps in zip(group[:real], out.tokens, out.sequence_steps):
             if printer:  # the text is on the screen already, but for what the last step left held back

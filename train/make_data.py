@@ -110,8 +110,7 @@ def self_distill(gen: Generator, prompts: list[list[int]], max_new_tokens: int, 
     for k, (group, real) in enumerate(tqdm(groups, desc=desc, unit="batch", dynamic_ncols=True)):
         # Near the context limit the budget shrinks so prompt + response still fits the cache.
         new = min(max_new_tokens, max_len - max(len(p) for p in group))
-        result = gen.generate(group, new, sampling=sampling, seed=seed + k, eos_ids=eos,
-                              budgets=[new] * real + [0] * (batch_size - real))
+        result = cli.generate_padded(gen, group, real, new, sampling=sampling, seed=seed + k, eos_ids=eos)
         out.extend(result.tokens[:real])
     return out
 
@@ -304,8 +303,9 @@ def make_data(args: argparse.Namespace) -> int:
             "hidden_size": cfg.hidden_size, "num_examples": len(examples), "num_tokens": int(len(tokens)),
             "num_response_tokens": int(mask.sum()), "mode": args.mode, "max_len": max_len,
             "hidden_dtype": hidden_dtype, "prompts_file": str(args.prompts), "created_by": "train.make_data",
-            "chat": args.chat, "chat_template": args.chat_template, "system": args.system, "turns": "all" if all_turns else "first", "dtype": args.dtype,
-            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed}
+            "chat": args.chat, "chat_template": args.chat_template, "system": args.system,
+            "turns": "all" if all_turns else "first", "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+            "temperature": args.temperature, "seed": args.seed}
     write_text(out / META, json.dumps(meta, indent=2) + "\n")
     print(f"wrote {len(examples)} examples ({len(tokens)} tokens, {meta['num_response_tokens']} in responses) "
           f"to {out}")
