@@ -27,6 +27,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from clover_jax import sources
 from clover_jax.config import ModelConfig
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import Generator, GenerationOutput, bucket_for
@@ -372,7 +373,8 @@ def _benchmark(args: argparse.Namespace) -> int:
     path = cli.model_dir(args.model)
     cfg = ModelConfig.from_pretrained(path)
     tokenizer = cli.load_tokenizer(path, cli.chat_template_flag(args.chat, args.chat_template))
-    prompt_file = args.prompts or path / "prompts.jsonl"
+    # A named model has no prompts file beside it: it is a chat model, asked MT-Bench's questions.
+    prompt_file = args.prompts or ("mt-bench" if sources.is_named(args.model, "model") else path / "prompts.jsonl")
     if args.prompts is None and not Path(prompt_file).is_file():
         raise CloverError(f"no prompts file at {prompt_file}; pass --prompts FILE")
     if args.turns == "all" and not args.chat:
@@ -384,7 +386,7 @@ def _benchmark(args: argparse.Namespace) -> int:
     prompts = cli.encode_prompts(tokenizer, texts, args.chat, args.system, cfg.bos_token_id)
     mesh = make_mesh(args.mesh) if args.mesh else None
     _, model = load_pretrained(path, dtype=DTYPES[args.dtype], mesh=mesh)
-    heads_root = Path(args.heads_root) if args.heads_root else path / "heads"
+    heads_root = Path(args.heads_root) if args.heads_root else cli.heads_root(args.model, path)
 
     _check_outputs(args)
     tasks = [task_of(record) for record, _ in records]

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
+from clover_jax import sources
 from clover_jax.config import ModelConfig
 from clover_jax.errors import CloverError
 
@@ -22,16 +23,20 @@ DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "reference"
 
 
 def model_dir(path: str | Path | None) -> Path:
-    """The model directory to use (`None`: the reference model); refuses one that does not exist."""
+    """The checkpoint directory to use (`None`: the reference model): a directory, a .gguf file, a Hub id or
+    a named model such as smollm2 (`sources.model_path`); one that cannot be found is one error line."""
     if path is None:
         if not DEFAULT_MODEL_DIR.is_dir():
             raise CloverError(f"the reference model is not at {DEFAULT_MODEL_DIR}; "
                               "pass --model DIR with a Hugging Face checkpoint directory")
         return DEFAULT_MODEL_DIR
-    path = Path(path)
-    if not path.is_dir():
-        raise CloverError(f"{path}: no such model directory")
-    return path
+    return sources.model_path(path)
+
+
+def heads_root(model: str | Path | None, path: Path) -> Path:
+    """Where the heads trained for a model live: models/NAME/heads in this repository for a named model,
+    else beside the checkpoint (`path`, its directory)."""
+    return (sources.shipped_dir(model) or path) / "heads"
 
 
 def first_prompt(record, where: str) -> str:
@@ -55,7 +60,13 @@ def first_prompt(record, where: str) -> str:
 
 def read_records(path: str | Path) -> list[tuple[dict, str]]:
     """(record, where) for each record of a JSONL file (one per line) or a JSON array (ShareGPT's usual
-    form), or of standard input for "-"; `where` names the record ("file:line") in error messages."""
+    form), of standard input for "-", or of a named source (`sharegpt`, `mt-bench`: `sources.named_records`);
+    `where` names the record ("file:line") in error messages."""
+    if sources.is_named(path) and not Path(path).exists():
+        if sources.is_named(path, "model"):
+            raise CloverError(f"{path} is a model, not a prompts or data source; named ones: "
+                              f"{', '.join(n for n, s in sources.SOURCES.items() if s.kind != 'model')}")
+        return sources.named_records(str(path))
     stdin = str(path) == "-"
     name = "stdin" if stdin else str(path)
     try:

@@ -165,7 +165,7 @@ def make_generator(model: Llama, method: str, *, model_path, heads: str | None =
         draft = make_heads(HeadsConfig(method, num_heads or DEFAULT_NUM_HEADS[method]), model, seed=seed)
         heads_dir = None  # no token counts: auto drafts from the whole vocabulary
     else:
-        shipped = cli.model_dir(model_path) / "heads" / method
+        shipped = cli.heads_root(model_path, cli.model_dir(model_path)) / method
         if heads is None and not shipped.is_dir():
             raise CloverError(f"no {method} heads at {shipped}; pass --heads DIR, or --heads random "
                               "for untrained heads")

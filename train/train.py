@@ -137,7 +137,7 @@ def run(args) -> int:
     cli.check_output_dir(work, "--work-dir")
     dtype = DTYPES[args.dtype]
     mesh = cli.mesh_of(args)
-    _, base = load_pretrained(args.base, dtype=dtype, mesh=mesh)
+    _, base = load_pretrained(cli.model_dir(args.base), dtype=dtype, mesh=mesh)
     data = HeadDataset(args.data)
     data.check_base(base)
     data.check_vocab(base.cfg.vocab_size)
