@@ -218,13 +218,22 @@ def task_of(record: dict) -> str | None:
     return "mt_bench" if category in MT_BENCH_CATEGORIES else category
 
 
+def tasks_of(records: list[tuple[dict, str]]) -> list[str | None]:
+    """The task of each record (`task_of`); where every record is one of MT-Bench's (FastChat's 80 questions,
+    `--prompts mt-bench`), each of its eight categories is a task of its own, as the Clover-2 paper breaks
+    MT-Bench down."""
+    categories = [record.get("category") if isinstance(record, dict) else None for record, _ in records]
+    if categories and all(c in MT_BENCH_CATEGORIES for c in categories):
+        return categories
+    return [task_of(record) if isinstance(record, dict) else None for record, _ in records]
+
+
 def first_of_each_task(records: list[tuple[dict, str]], n: int) -> list[tuple[dict, str]]:
-    """The first `n` records of each task (`task_of`), in the file's order; one error line when no
+    """The first `n` records of each task (`tasks_of`), in the file's order; one error line when no
     record names one."""
     taken: dict[str, int] = {}
     out = []
-    for record, where in records:
-        task = task_of(record) if isinstance(record, dict) else None
+    for (record, where), task in zip(records, tasks_of(records)):
         if task is not None and taken.get(task, 0) < n:
             taken[task] = taken.get(task, 0) + 1
             out.append((record, where))
@@ -389,7 +398,7 @@ def _benchmark(args: argparse.Namespace) -> int:
     heads_root = Path(args.heads_root) if args.heads_root else cli.heads_root(args.model, path)
 
     _check_outputs(args)
-    tasks = [task_of(record) for record, _ in records]
+    tasks = tasks_of(records)
     eos = cli.eos_ids(path, cfg, tokenizer)
     stop_at_eos = args.chat if args.stop_at_eos is None else args.stop_at_eos
     answer_eos = eos if stop_at_eos else ()  # what ends a measured answer

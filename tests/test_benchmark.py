@@ -278,3 +278,14 @@ def test_exactness_note_only_where_numerics_explain_a_difference():
     assert report.exactness_note([same, differs], "float32") is None
     assert "rounds some logits differently" in report.exactness_note([same, differs], "bfloat16")
     assert "OUTPUT DIFFERS FROM PLAIN" in report.format_table([differs])
+
+
+def test_mt_bench_alone_is_broken_down_by_its_categories():
+    """--prompts mt-bench: each of MT-Bench's categories is a task, as the Clover-2 paper's table has them;
+    beside other Spec-Bench tasks, MT-Bench is one task again."""
+    records = [({"category": c, "turns": [str(i)]}, f"q:{i}") for i, c in
+               enumerate(["writing", "math", "writing", "coding", "stem"])]
+    assert benchmark.tasks_of(records) == ["writing", "math", "writing", "coding", "stem"]
+    assert [w for _, w in benchmark.first_of_each_task(records, 1)] == ["q:0", "q:1", "q:3", "q:4"]
+    mixed = records + [({"category": "qa", "turns": ["x"]}, "q:5")]
+    assert benchmark.tasks_of(mixed) == ["mt_bench"] * 5 + ["qa"]
