@@ -18,6 +18,10 @@ from clover_jax import sources
 from clover_jax.config import ModelConfig
 from clover_jax.errors import CloverError
 
+# The tools use transformers for tokenizers and chat templates only, never its torch models: its advice,
+# printed at import where torch is missing (as it is for users of the tools), is noise on every run.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
 # The shipped reference model, found from this file so the tools work from any directory.
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "reference"
 
