@@ -140,6 +140,11 @@ def place_draft_vocab(vocab, mesh: Mesh):
                          rows=jax.device_put(vocab.rows, rows))
 
 
+def batch_split(mesh: Mesh | None) -> int:
+    """How many ways `mesh` splits a batch (data x fsdp; 1 without a mesh): a batch must be a multiple of it."""
+    return 1 if mesh is None else math.prod(mesh.shape[a] for a in RULES["batch"])
+
+
 def put_batch(x, mesh: Mesh) -> jax.Array:
     """A host array with a leading batch axis as one global array split over data (and fsdp), the rest
     replicated. Every process holds the whole (small) array; each device takes its own rows."""

@@ -152,13 +152,13 @@ def _configs(specs: list[str], methods: list[str]) -> list[tuple[str, str | None
 
 def engine_pass(generator: Generator, prompts: list[list[int]], batch_size: int, max_new: int,
                 sampling: SamplingConfig, seed: int, progress,
-                eos: tuple[int, ...] = ()) -> list[tuple[GenerationOutput, int]]:
-    """One pass over the prompts in batches: each batch's output and how many of its rows are real.
-    `eos`: the ids that end an answer (none: every answer runs to `max_new`)."""
+                eos: tuple[int, ...] = ()) -> list[GenerationOutput]:
+    """One pass over the prompts in batches of `batch_size` (the last one filled to it: one compiled
+    shape): each batch's output. `eos`: the ids that end an answer (none: every answer runs to `max_new`)."""
     outs = []
-    for k, (group, real) in enumerate(cli.padded_batches(prompts, batch_size)):
-        outs.append((cli.generate_padded(generator, group, real, max_new, sampling=sampling, seed=seed + k,
-                                         eos_ids=eos), real))
+    for k, group in enumerate(cli.batches(prompts, batch_size)):
+        outs.append(generator.generate(group, max_new, sampling=sampling, seed=seed + k, eos_ids=eos,
+                                       batch_size=batch_size))
         progress.update(1)
     return outs
 
@@ -181,23 +181,23 @@ def run_engines(generators: dict[str, Generator], prompts: list[list[int]], batc
         progress.set_postfix_str(f"batch {batch_size}, T={sampling.temperature:g}, timed round {rep + 1}/{repeats}")
         for name, gen in generators.items():
             outs = engine_pass(gen, prompts, batch_size, max_new, sampling, seed, progress, eos)
-            seconds[name].append([out.run_seconds for out, _ in outs])
+            seconds[name].append([out.run_seconds for out in outs])
     results = {}
     for name, gen in generators.items():
         outs = warm[name]
-        tokens = [t for out, real in outs for t in out.tokens[:real]]
-        steps = sum(out.steps for out, _ in outs)
-        seq_steps = [s for out, real in outs for s in out.sequence_steps[:real]]
-        hists = [out.accept_hist[:real].sum(0) for out, real in outs if out.accept_hist is not None]
+        tokens = [t for out in outs for t in out.tokens]
+        steps = sum(out.steps for out in outs)
+        seq_steps = [s for out in outs for s in out.sequence_steps]
+        hists = [out.accept_hist.sum(0) for out in outs if out.accept_hist is not None]
         hist = sum(hists) if hists else None
         new = sum(len(t) for t in tokens)
         run_s = statistics.median(sum(batches) for batches in seconds[name])
         accept = [] if hist is None else [float(hist[d:].sum() / max(hist.sum(), 1)) for d in range(1, len(hist))]
         stats = dict(tau=new / max(sum(seq_steps), 1), accept_per_depth=accept, tokens_per_s=new / run_s,
                      step_ms=1e3 * run_s / max(steps, 1), steps=steps, new_tokens=new,
-                     compile_s=sum(out.compile_seconds for out, _ in outs), compilations=gen.compilations,
+                     compile_s=sum(out.compile_seconds for out in outs), compilations=gen.compilations,
                      buckets=len({bucket_for(max(len(p) for p in group), gen.buckets)
-                                  for group, _ in cli.padded_batches(prompts, batch_size)}))
+                                  for group in cli.batches(prompts, batch_size)}))
         if tasks:
             stats["per_task"] = per_task(tasks, [len(t) for t in tokens], seq_steps, seconds[name], batch_size)
         results[name] = (stats, tokens)
@@ -275,8 +275,8 @@ def with_later_turns(model, tokenizer, prompts: list[list[int]], records: list[t
             print(f"answering {len(batch)} first turns with plain greedy decoding, to ask the later ones",
                   file=sys.stderr)
         out = []
-        for group, real in cli.padded_batches(batch, batch_size):
-            out += cli.generate_padded(gen, group, real, max_new, eos_ids=eos).tokens[:real]
+        for group in cli.batches(batch, batch_size):
+            out += gen.generate(group, max_new, eos_ids=eos, batch_size=batch_size).tokens
         return out
 
     turns = answer_turns(answer, tokenizer, users, systems, prompts, eos, gen.max_len - max_new + 1,
@@ -418,11 +418,11 @@ def _benchmark(args: argparse.Namespace) -> int:
                 measured = run_engines(generators, prompts, b, args.max_new_tokens, args.repeats, progress,
                                        sampling, args.seed, tasks, answer_eos)
                 if args.profile and b == sizes[0] and temp == temps[0]:
-                    group = cli.padded_batches(prompts, b)[0][0]
+                    group = cli.batches(prompts, b)[0]
                     for name, gen in generators.items():
                         progress.set_postfix_str(f"{name}, profiling")
                         profiles[name] = profile_ops(gen, group, args.max_new_tokens, sampling, args.seed,
-                                                     Path(args.profile) / profile_folder(name))
+                                                     Path(args.profile) / profile_folder(name), batch_size=b)
                 for (method, spec, dv), (name, gen) in zip(configs, generators.items()):
                     stats, tokens = measured[name]
                     tree = getattr(gen, "tree", None)

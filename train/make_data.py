@@ -104,14 +104,13 @@ def _check_ids(ids: list[int], vocab: int, where: str) -> None:
 def self_distill(gen: Generator, prompts: list[list[int]], max_new_tokens: int, max_len: int, batch_size: int,
                  sampling: SamplingConfig, seed: int, eos: tuple[int, ...], desc: str = "generate") -> list[list[int]]:
     """The base model's own responses (EOS included when hit). Batch k uses seed + k; every batch has
-    one compiled shape (`cli.padded_batches`)."""
+    one compiled shape (`Generator.generate`'s `batch_size`)."""
     out: list[list[int]] = []
-    groups = cli.padded_batches(prompts, batch_size)
-    for k, (group, real) in enumerate(tqdm(groups, desc=desc, unit="batch", dynamic_ncols=True)):
+    groups = cli.batches(prompts, batch_size)
+    for k, group in enumerate(tqdm(groups, desc=desc, unit="batch", dynamic_ncols=True)):
         # Near the context limit the budget shrinks so prompt + response still fits the cache.
         new = min(max_new_tokens, max_len - max(len(p) for p in group))
-        result = cli.generate_padded(gen, group, real, new, sampling=sampling, seed=seed + k, eos_ids=eos)
-        out.extend(result.tokens[:real])
+        out += gen.generate(group, new, sampling=sampling, seed=seed + k, eos_ids=eos, batch_size=batch_size).tokens
     return out
 
 
