@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time plain and speculative steps of this architecture with random weights (bfloat16; "
                         "meant for an accelerator) and project speedup = tau (reference model) x plain step / spec step")
     p.add_argument("--shape-layers", type=int, metavar="L", help="with --shape: keep only the first L layers (a quicker, smaller run)")
-    p.add_argument("--mesh", metavar="SPEC", help="shard the engine over devices, e.g. data=2,model=4 (default: one device)")
+    p.add_argument("--mesh", metavar="SPEC", help="shard the engine over devices, e.g. data=2,model=4 or model=-1 "
+                                                 "(as infer.generate's --mesh; default: one device)")
     p.add_argument("--profile", metavar="DIR",
                    help="also trace one batch of each method (first batch size and temperature) with jax.profiler "
                         "into DIR/<method> (Perfetto traces, for ui.perfetto.dev or TensorBoard) and report each "

@@ -23,6 +23,7 @@ from clover_jax.errors import CloverError
 from clover_jax.heads import DEFAULT_NUM_HEADS, METHODS as HEAD_METHODS, HeadsConfig, make_heads
 from clover_jax.model import Llama
 from clover_jax.sampling import SamplingConfig
+from clover_jax.sharding import describe_mesh
 from clover_jax.speculative import SpeculativeGenerator
 from clover_jax.tree import resolve_tree
 from infer import cli
@@ -114,8 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts of --prompts generated together in one batch; a last, smaller batch is filled "
                         "to this size, so it needs no program of its own (default: 8; 1 with --stream)")
     p.add_argument("--mesh", metavar="SPEC",
-                   help="shard over devices: axis=size pairs over data, fsdp and model, e.g. data=2,model=4 "
-                        "(the sizes multiply to the device count; default: one device)")
+                   help="shard over devices: axis=size pairs over data, fsdp and model, e.g. data=2,model=4; "
+                        "one axis may be -1, the devices the others leave (data=-1,model=4); sizes that "
+                        "multiply to fewer devices than there are take the first ones (the statistics line "
+                        "says how many); a batch is filled to a multiple of data x fsdp (default: one device)")
     cli.add_distributed_flags(p)
     cli.add_compile_cache_flag(p)
     p.add_argument("--json", action="store_true",
@@ -197,6 +200,8 @@ class Tally:
         if tree is not None:
             vocab = generator.draft_vocab
             shape += f", drafting from {'all' if vocab is None else vocab.size} tokens"
+        if generator.mesh is not None:
+            shape += f" mesh {describe_mesh(generator.mesh)}"
         return (f"[{method}]{shape} new_tokens={self.new_tokens} steps={self.steps} tau={tau:.2f} "
                 f"tokens/s={self.new_tokens / max(self.run_s, 1e-9):.1f} compile={self.compile_s:.2f}s "
                 f"run={self.run_s:.2f}s")

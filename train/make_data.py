@@ -228,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="self mode: sampling seed; generation batch k uses S+k (default: %(default)s)")
     p.add_argument("--mesh", metavar="SPEC",
                    help="shard the base model over this process's devices, e.g. model=8 or data=2,model=4 (axes "
-                        "data, fsdp, model; --batch-size must divide by data x fsdp); default: one device")
+                        "data, fsdp, model; one may be -1 for the rest); default: one device")
     cli.add_compile_cache_flag(p)
     return p
 
