@@ -117,3 +117,20 @@ def test_two_processes_generate_the_single_process_tokens(sharded_results):
     for out, _ in outs:
         r = json.loads(out.strip().splitlines()[-1])
         assert r["plain"] == one["plain"] and r["speculative"] == one["speculative"]
+
+
+def test_generate_one_prompt_on_a_data_axis_and_the_rest_of_the_devices(capsys):
+    """`infer.generate --mesh data=2,model=-1 --prompt ...` on 8 devices: the single prompt is filled to the
+    data axis, -1 takes the 4 devices left, the statistics line says so, and the text is one device's."""
+    from infer import generate
+
+    flags = ["--prompt", "def fibonacci(n):", "--max-new-tokens", "6", "--compile-cache", "off"]
+    assert generate.main(flags) == 0
+    want = capsys.readouterr().out
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "infer.generate", "--mesh", "data=2,model=-1", *flags],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=HERE.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == want
+    assert "mesh data=2,model=4 on 8 of 8 devices" in proc.stderr.strip().splitlines()[-1]
