@@ -27,6 +27,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from clover_jax.checkpoint import read_heads_config
 from clover_jax.config import ModelConfig
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import Generator, GenerationOutput, bucket_for
@@ -34,6 +35,7 @@ from clover_jax.draft_vocab import parse_size
 from clover_jax.errors import CloverError
 from clover_jax.sampling import SamplingConfig
 from clover_jax.sharding import make_mesh
+from clover_jax.tree import auto_tree
 from infer import cli, report
 from infer.bandwidth import BandwidthProbe, plain_efficiency, plain_phases
 from infer.conversation import answer_turns, record_turns
@@ -43,7 +45,9 @@ from infer.report import Row, label
 from infer.shapes import SHAPES, project, shape_step_times
 
 EPILOG = """\
-Rows: one per method, tree, draft vocabulary and batch size. vocab = tokens the heads drafted from (all:
+Rows: one per method, tree, draft vocabulary and batch size. tree (nodes) = the tree the row ran (auto, the
+default, resolved as infer.generate resolves it: chain:K on a CPU, the paper tree `default` on a GPU or
+TPU) and its node count. vocab = tokens the heads drafted from (all:
 the whole vocabulary; see --draft-vocab). tau = tokens per forward pass of the base model (bonus token
 included; plain = 1.00); accept@d = share of steps that accepted at least d drafted tokens; speedup =
 tokens/s over plain decoding's at the same batch size in this run; compile s = seconds spent compiling,
@@ -69,10 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory holding one heads directory per method (default: MODEL/heads)")
     p.add_argument("--tree", action="append", default=[], metavar="[METHOD=]SPEC",
                    help="draft tree for every speculative method, or METHOD=SPEC for one; repeat it to measure "
-                        "several trees in the same run. SPEC: default (the method's own), auto (a chain through "
-                        "every head on a CPU, the default tree elsewhere), chain:K, widths:4,2,2, full:WxD, a "
-                        "named tree, a JSON file of paths, or a dynamic tree dynamic:N / eagle2:N "
-                        "(default: each method's default tree)")
+                        "several trees in the same run. SPEC: auto (a chain through every head on a CPU, the "
+                        "method's paper tree elsewhere, as infer.generate picks), default (the method's paper "
+                        "tree), chain:K, widths:4,2,2, full:WxD, a named tree, a JSON file of paths, or a dynamic "
+                        "tree dynamic:N / eagle2:N (default: auto; each row names the tree it used)")
     p.add_argument("--draft-vocab", default="auto", metavar="LIST",
                    help="comma-separated draft vocabularies to measure every speculative method with: N (the N "
                         "most frequent tokens of the heads' training data), 0 (the whole vocabulary) or auto "
@@ -137,7 +141,8 @@ def _numbers(text: str, flag: str, parse, what: str, example: str, least: float)
 
 def _configs(specs: list[str], methods: list[str]) -> list[tuple[str, str | None]]:
     """(method, tree spec) pairs to measure: plain once, each speculative method once per tree given for
-    it (`SPEC` applies to every method, `METHOD=SPEC` to one; `default` or none: the method's own)."""
+    it (`SPEC` applies to every method, `METHOD=SPEC` to one; `default`: the method's paper tree, None
+    here; none given: `auto`, which `tree_used` resolves)."""
     trees: dict[str, list[str | None]] = {m: [] for m in methods if m != "plain"}
     for spec in specs:
         method, sep, tree = spec.partition("=")
@@ -148,7 +153,17 @@ def _configs(specs: list[str], methods: list[str]) -> list[tuple[str, str | None
         for m in [method] if method else trees:
             if m in trees:
                 trees[m].append(None if tree == "default" else tree)
-    return [("plain", None)] + [(m, t) for m, ts in trees.items() for t in (list(dict.fromkeys(ts)) or [None])]
+    return [("plain", None)] + [(m, t) for m, ts in trees.items() for t in (list(dict.fromkeys(ts)) or ["auto"])]
+
+
+def tree_used(spec: str | None, method: str, heads_dir: Path) -> str | None:
+    """The tree spec `auto` stands for with the heads in `heads_dir` on this backend (`tree.auto_tree`, as
+    infer.generate resolves it: `chain:K` on a CPU, the paper tree, None, elsewhere), so that each row
+    names the tree it ran; any other spec as it is."""
+    if method == "plain" or spec != "auto":
+        return spec
+    resolved = auto_tree(read_heads_config(heads_dir)["heads"]["num_heads"])
+    return None if resolved == "default" else resolved
 
 
 def engine_pass(generator: Generator, prompts: list[list[int]], batch_size: int, max_new: int,
@@ -386,6 +401,7 @@ def _benchmark(args: argparse.Namespace) -> int:
     mesh = make_mesh(args.mesh) if args.mesh else None
     _, model = load_pretrained(path, dtype=DTYPES[args.dtype], mesh=mesh)
     heads_root = Path(args.heads_root) if args.heads_root else path / "heads"
+    configs = list(dict.fromkeys((m, tree_used(t, m, heads_root / m), dv) for m, t, dv in configs))
 
     _check_outputs(args)
     tasks = [task_of(record) for record, _ in records]
