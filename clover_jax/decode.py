@@ -23,7 +23,7 @@ from clover_jax.cache import KVCache, causal_mask
 from clover_jax.errors import CloverError
 from clover_jax.model import Llama
 from clover_jax.sampling import SamplingConfig, sample, step_keys
-from clover_jax.sharding import constrain_cache, put_batch, replicate, shard_module
+from clover_jax.sharding import batch_split, constrain_cache, put_batch, replicate, shard_module
 
 BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
@@ -129,7 +129,7 @@ class GenerationOutput:
     run_seconds: float
     sequence_steps: list[int] = dataclasses.field(default_factory=list)  # forward passes each sequence took
     accept_hist: np.ndarray | None = None  # [B, D+1] speculative steps accepting d drafted tokens
-    state: object = None  # final device state, for further statistics
+    state: object = None  # final device state, for further statistics (filler rows included)
 
     @property
     def num_new_tokens(self) -> int:
@@ -182,6 +182,7 @@ class Generator:
         self._compiled: dict = {}
         self.compilations = 0
         self._listener: Callable | None = None  # generate's on_tokens, while its timed run lasts
+        self._rows = 0  # the real (not filler) rows of the batch being generated, which _emit passes on
         self._listener_error: BaseException | None = None
 
     # What a subclass changes.
@@ -237,7 +238,7 @@ class Generator:
         if self._listener is None or self._listener_error is not None:
             return
         try:
-            self._listener(np.asarray(tokens), np.asarray(num_new))
+            self._listener(np.asarray(tokens)[: self._rows], np.asarray(num_new)[: self._rows])
         except BaseException as e:  # noqa: BLE001 - re-raised by generate
             self._listener_error = e
 
@@ -249,7 +250,8 @@ class Generator:
                  sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
                  eos_ids: Sequence[int] | None = None,
                  budgets: Sequence[int] | None = None,
-                 on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None) -> GenerationOutput:
+                 on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None,
+                 batch_size: int | None = None) -> GenerationOutput:
         """Generate up to `max_new_tokens` per prompt (token ids), all prompts in one batch.
 
         `budgets` caps each prompt's new tokens on its own; `eos_ids` defaults to the model config's
@@ -257,7 +259,21 @@ class Generator:
         `on_tokens(tokens [B, M], counts [B])`, when given, is called on this host after every decoding
         step with each sequence's new tokens so far (`tokens[i, :counts[i]]`), to show text as it is
         written; it costs a device-to-host copy per step and a program of its own (one process only).
-        Compiles on the first call with a new batch size, bucket or static setting."""
+        Compiles on the first call with a new batch size, bucket or static setting.
+
+        `batch_size` fills the batch up to that many rows, so that batches of fewer prompts (the last of a
+        file, a single prompt) reuse one compiled program; on a mesh the batch is also filled to a
+        multiple of the devices it is split over (`sharding.batch_split`). The filler rows copy the first
+        prompt with a budget of 0, so they cost no step, and only the real rows come back: their tokens
+        are those of an unfilled batch, sampled ones too (each row's key depends on its index alone)."""
+        rows = len(prompts)
+        if batch_size is not None and batch_size < rows:
+            raise CloverError(f"batch_size={batch_size} is smaller than the {rows} prompts given")
+        split = batch_split(self.mesh)
+        size = -(-max(batch_size or rows, rows) // split) * split
+        if rows and size > rows:
+            budgets = list(budgets) if budgets is not None else [max_new_tokens] * rows
+            prompts, budgets = list(prompts) + [prompts[0]] * (size - rows), budgets + [0] * (size - rows)
         args, static = self.prepare(prompts, max_new_tokens, sampling, seed, eos_ids, budgets)
         if on_tokens is not None:
             if jax.process_count() > 1:
@@ -280,7 +296,7 @@ class Generator:
             compile_s = time.perf_counter() - t0
             self.compilations += 1
         t0 = time.perf_counter()
-        self._listener, self._listener_error = on_tokens, None
+        self._listener, self._listener_error, self._rows = on_tokens, None, rows
         try:
             state = jax.block_until_ready(self._compiled[key](*args))
             if on_tokens is not None:
@@ -292,10 +308,10 @@ class Generator:
             raise self._listener_error
         if not bool(np.all(to_host(state.finite))):
             raise CloverError("the model produced non-finite logits (NaN/Inf); check the weights, or try --dtype float32")
-        num = to_host(state.num_new)
+        num = to_host(state.num_new)[:rows]
         toks = to_host(state.tokens)
-        tokens = [toks[i, : num[i]].tolist() for i in range(b)]
-        hist = to_host(state.accept_hist) if hasattr(state, "accept_hist") else None
+        tokens = [toks[i, : num[i]].tolist() for i in range(rows)]
+        hist = to_host(state.accept_hist)[:rows] if hasattr(state, "accept_hist") else None
         # The prefill's forward pass yields each sequence's first token.
         seq_steps = (np.where(num > 0, hist.sum(-1) + 1, 0).tolist() if hist is not None
                      else [len(t) for t in tokens])

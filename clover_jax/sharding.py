@@ -40,7 +40,8 @@ RULES: dict[str, tuple[str, ...] | None] = {
 
 
 def parse_mesh(spec: str | None) -> dict[str, int]:
-    """'data=2,model=4' -> {'data': 2, 'model': 4}; None or '' -> every device on 'data'."""
+    """'data=2,model=4' -> {'data': 2, 'model': 4}; None or '' -> every device on 'data'. One axis may be
+    -1: the devices the others leave (`make_mesh` works it out)."""
     if not spec:
         return {"data": jax.device_count()}
     sizes: dict[str, int] = {}
@@ -53,22 +54,44 @@ def parse_mesh(spec: str | None) -> dict[str, int]:
             size = int(value)
         except ValueError:
             raise CloverError(f"--mesh {spec!r}: {name} size {value!r} is not an integer") from None
-        if size < 1 or name in sizes:
-            raise CloverError(f"--mesh {spec!r}: each axis once, with a size >= 1")
+        if (size < 1 and size != -1) or name in sizes:
+            raise CloverError(f"--mesh {spec!r}: each axis once, with a size >= 1 (or -1 for the rest)")
         sizes[name] = size
+    if list(sizes.values()).count(-1) > 1:
+        raise CloverError(f"--mesh {spec!r}: only one axis can be -1 (the devices the others leave)")
     return sizes
 
 
 def make_mesh(spec: str | dict[str, int] | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh over `devices` (default: all, every process's) with axes data, fsdp, model in that order."""
-    sizes = parse_mesh(spec) if not isinstance(spec, dict) else spec
+    """A mesh over `devices` (default: all, every process's) with axes data, fsdp, model in that order.
+
+    Sizes whose product is smaller than the device count take the first that many devices (`mesh.size`
+    says how many); an axis of -1 takes what the others leave, so their product must divide the count."""
+    sizes = parse_mesh(spec) if not isinstance(spec, dict) else dict(spec)
     devices = list(devices if devices is not None else jax.devices())
+    fixed = math.prod(v for v in sizes.values() if v != -1)
+    rest = [k for k, v in sizes.items() if v == -1]
+    if rest:
+        if len(devices) % fixed:
+            raise CloverError(f"mesh {format_mesh(sizes)}: the other axes ({fixed} devices) do not divide the "
+                              f"{len(devices)} devices, so -1 has no size; pick sizes that divide {len(devices)}")
+        sizes[rest[0]] = len(devices) // fixed
     total = math.prod(sizes.values())
-    if total != len(devices):
+    if total > len(devices):
         raise CloverError(f"mesh {format_mesh(sizes)} needs {total} devices, but {len(devices)} are available; "
-                          "make the sizes multiply to the device count")
+                          "make the sizes multiply to at most the device count")
+    if total < len(devices) and jax.process_count() > 1:
+        raise CloverError(f"mesh {format_mesh(sizes)} uses {total} of {len(devices)} devices; over several "
+                          "processes a mesh takes every device (make the sizes multiply to the count, or use -1)")
     shape = tuple(sizes.get(a, 1) for a in MESH_AXES)
-    return Mesh(np.array(devices).reshape(shape), MESH_AXES)
+    return Mesh(np.array(devices[:total]).reshape(shape), MESH_AXES)
+
+
+def describe_mesh(mesh: Mesh) -> str:
+    """`data=2,model=4 on 8 of 8 devices`: the mesh's axes over 1 (its sizes as --mesh takes them) and how
+    many of the devices there are it runs on."""
+    sizes = {a: n for a, n in mesh.shape.items() if n > 1} or {MESH_AXES[0]: 1}
+    return f"{format_mesh(sizes)} on {mesh.size} of {jax.device_count()} devices"
 
 
 def format_mesh(sizes: dict[str, int]) -> str:
@@ -138,6 +161,11 @@ def place_draft_vocab(vocab, mesh: Mesh):
     rows = NamedSharding(mesh, spec_for(("vocab", "embed"), vocab.rows.shape, mesh, "draft vocabulary"))
     return vocab.replace(ids=jax.device_put(vocab.ids, NamedSharding(mesh, PartitionSpec())),
                          rows=jax.device_put(vocab.rows, rows))
+
+
+def batch_split(mesh: Mesh | None) -> int:
+    """How many ways `mesh` splits a batch (data x fsdp; 1 without a mesh): a batch must be a multiple of it."""
+    return 1 if mesh is None else math.prod(mesh.shape[a] for a in RULES["batch"])
 
 
 def put_batch(x, mesh: Mesh) -> jax.Array:

@@ -28,6 +28,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from clover_jax import sources
+from clover_jax.checkpoint import read_heads_config
 from clover_jax.config import ModelConfig
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import Generator, GenerationOutput, bucket_for
@@ -35,6 +36,7 @@ from clover_jax.draft_vocab import parse_size
 from clover_jax.errors import CloverError
 from clover_jax.sampling import SamplingConfig
 from clover_jax.sharding import make_mesh
+from clover_jax.tree import auto_tree
 from infer import cli, report
 from infer.bandwidth import BandwidthProbe, plain_efficiency, plain_phases
 from infer.conversation import answer_turns, record_turns
@@ -44,7 +46,9 @@ from infer.report import Row, label
 from infer.shapes import SHAPES, project, shape_step_times
 
 EPILOG = """\
-Rows: one per method, tree, draft vocabulary and batch size. vocab = tokens the heads drafted from (all:
+Rows: one per method, tree, draft vocabulary and batch size. tree (nodes) = the tree the row ran (auto, the
+default, resolved as infer.generate resolves it: chain:K on a CPU, the paper tree `default` on a GPU or
+TPU) and its node count. vocab = tokens the heads drafted from (all:
 the whole vocabulary; see --draft-vocab). tau = tokens per forward pass of the base model (bonus token
 included; plain = 1.00); accept@d = share of steps that accepted at least d drafted tokens; speedup =
 tokens/s over plain decoding's at the same batch size in this run; compile s = seconds spent compiling,
@@ -70,10 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory holding one heads directory per method (default: MODEL/heads)")
     p.add_argument("--tree", action="append", default=[], metavar="[METHOD=]SPEC",
                    help="draft tree for every speculative method, or METHOD=SPEC for one; repeat it to measure "
-                        "several trees in the same run. SPEC: default (the method's own), auto (a chain through "
-                        "every head on a CPU, the default tree elsewhere), chain:K, widths:4,2,2, full:WxD, a "
-                        "named tree, a JSON file of paths, or a dynamic tree dynamic:N / eagle2:N "
-                        "(default: each method's default tree)")
+                        "several trees in the same run. SPEC: auto (a chain through every head on a CPU, the "
+                        "method's paper tree elsewhere, as infer.generate picks), default (the method's paper "
+                        "tree), chain:K, widths:4,2,2, full:WxD, a named tree, a JSON file of paths, or a dynamic "
+                        "tree dynamic:N / eagle2:N (default: auto; each row names the tree it used)")
     p.add_argument("--draft-vocab", default="auto", metavar="LIST",
                    help="comma-separated draft vocabularies to measure every speculative method with: N (the N "
                         "most frequent tokens of the heads' training data), 0 (the whole vocabulary) or auto "
@@ -111,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time plain and speculative steps of this architecture with random weights (bfloat16; "
                         "meant for an accelerator) and project speedup = tau (reference model) x plain step / spec step")
     p.add_argument("--shape-layers", type=int, metavar="L", help="with --shape: keep only the first L layers (a quicker, smaller run)")
-    p.add_argument("--mesh", metavar="SPEC", help="shard the engine over devices, e.g. data=2,model=4 (default: one device)")
+    p.add_argument("--mesh", metavar="SPEC", help="shard the engine over devices, e.g. data=2,model=4 or model=-1 "
+                                                 "(as infer.generate's --mesh; default: one device)")
     p.add_argument("--profile", metavar="DIR",
                    help="also trace one batch of each method (first batch size and temperature) with jax.profiler "
                         "into DIR/<method> (Perfetto traces, for ui.perfetto.dev or TensorBoard) and report each "
@@ -137,7 +142,8 @@ def _numbers(text: str, flag: str, parse, what: str, example: str, least: float)
 
 def _configs(specs: list[str], methods: list[str]) -> list[tuple[str, str | None]]:
     """(method, tree spec) pairs to measure: plain once, each speculative method once per tree given for
-    it (`SPEC` applies to every method, `METHOD=SPEC` to one; `default` or none: the method's own)."""
+    it (`SPEC` applies to every method, `METHOD=SPEC` to one; `default`: the method's paper tree, None
+    here; none given: `auto`, which `tree_used` resolves)."""
     trees: dict[str, list[str | None]] = {m: [] for m in methods if m != "plain"}
     for spec in specs:
         method, sep, tree = spec.partition("=")
@@ -148,18 +154,28 @@ def _configs(specs: list[str], methods: list[str]) -> list[tuple[str, str | None
         for m in [method] if method else trees:
             if m in trees:
                 trees[m].append(None if tree == "default" else tree)
-    return [("plain", None)] + [(m, t) for m, ts in trees.items() for t in (list(dict.fromkeys(ts)) or [None])]
+    return [("plain", None)] + [(m, t) for m, ts in trees.items() for t in (list(dict.fromkeys(ts)) or ["auto"])]
+
+
+def tree_used(spec: str | None, method: str, heads_dir: Path) -> str | None:
+    """The tree spec `auto` stands for with the heads in `heads_dir` on this backend (`tree.auto_tree`, as
+    infer.generate resolves it: `chain:K` on a CPU, the paper tree, None, elsewhere), so that each row
+    names the tree it ran; any other spec as it is."""
+    if method == "plain" or spec != "auto":
+        return spec
+    resolved = auto_tree(read_heads_config(heads_dir)["heads"]["num_heads"])
+    return None if resolved == "default" else resolved
 
 
 def engine_pass(generator: Generator, prompts: list[list[int]], batch_size: int, max_new: int,
                 sampling: SamplingConfig, seed: int, progress,
-                eos: tuple[int, ...] = ()) -> list[tuple[GenerationOutput, int]]:
-    """One pass over the prompts in batches: each batch's output and how many of its rows are real.
-    `eos`: the ids that end an answer (none: every answer runs to `max_new`)."""
+                eos: tuple[int, ...] = ()) -> list[GenerationOutput]:
+    """One pass over the prompts in batches of `batch_size` (the last one filled to it: one compiled
+    shape): each batch's output. `eos`: the ids that end an answer (none: every answer runs to `max_new`)."""
     outs = []
-    for k, (group, real) in enumerate(cli.padded_batches(prompts, batch_size)):
-        outs.append((cli.generate_padded(generator, group, real, max_new, sampling=sampling, seed=seed + k,
-                                         eos_ids=eos), real))
+    for k, group in enumerate(cli.batches(prompts, batch_size)):
+        outs.append(generator.generate(group, max_new, sampling=sampling, seed=seed + k, eos_ids=eos,
+                                       batch_size=batch_size))
         progress.update(1)
     return outs
 
@@ -182,23 +198,23 @@ def run_engines(generators: dict[str, Generator], prompts: list[list[int]], batc
         progress.set_postfix_str(f"batch {batch_size}, T={sampling.temperature:g}, timed round {rep + 1}/{repeats}")
         for name, gen in generators.items():
             outs = engine_pass(gen, prompts, batch_size, max_new, sampling, seed, progress, eos)
-            seconds[name].append([out.run_seconds for out, _ in outs])
+            seconds[name].append([out.run_seconds for out in outs])
     results = {}
     for name, gen in generators.items():
         outs = warm[name]
-        tokens = [t for out, real in outs for t in out.tokens[:real]]
-        steps = sum(out.steps for out, _ in outs)
-        seq_steps = [s for out, real in outs for s in out.sequence_steps[:real]]
-        hists = [out.accept_hist[:real].sum(0) for out, real in outs if out.accept_hist is not None]
+        tokens = [t for out in outs for t in out.tokens]
+        steps = sum(out.steps for out in outs)
+        seq_steps = [s for out in outs for s in out.sequence_steps]
+        hists = [out.accept_hist.sum(0) for out in outs if out.accept_hist is not None]
         hist = sum(hists) if hists else None
         new = sum(len(t) for t in tokens)
         run_s = statistics.median(sum(batches) for batches in seconds[name])
         accept = [] if hist is None else [float(hist[d:].sum() / max(hist.sum(), 1)) for d in range(1, len(hist))]
         stats = dict(tau=new / max(sum(seq_steps), 1), accept_per_depth=accept, tokens_per_s=new / run_s,
                      step_ms=1e3 * run_s / max(steps, 1), steps=steps, new_tokens=new,
-                     compile_s=sum(out.compile_seconds for out, _ in outs), compilations=gen.compilations,
+                     compile_s=sum(out.compile_seconds for out in outs), compilations=gen.compilations,
                      buckets=len({bucket_for(max(len(p) for p in group), gen.buckets)
-                                  for group, _ in cli.padded_batches(prompts, batch_size)}))
+                                  for group in cli.batches(prompts, batch_size)}))
         if tasks:
             stats["per_task"] = per_task(tasks, [len(t) for t in tokens], seq_steps, seconds[name], batch_size)
         results[name] = (stats, tokens)
@@ -285,8 +301,8 @@ def with_later_turns(model, tokenizer, prompts: list[list[int]], records: list[t
             print(f"answering {len(batch)} first turns with plain greedy decoding, to ask the later ones",
                   file=sys.stderr)
         out = []
-        for group, real in cli.padded_batches(batch, batch_size):
-            out += cli.generate_padded(gen, group, real, max_new, eos_ids=eos).tokens[:real]
+        for group in cli.batches(batch, batch_size):
+            out += gen.generate(group, max_new, eos_ids=eos, batch_size=batch_size).tokens
         return out
 
     turns = answer_turns(answer, tokenizer, users, systems, prompts, eos, gen.max_len - max_new + 1,
@@ -396,6 +412,7 @@ def _benchmark(args: argparse.Namespace) -> int:
     mesh = make_mesh(args.mesh) if args.mesh else None
     _, model = load_pretrained(path, dtype=DTYPES[args.dtype], mesh=mesh)
     heads_root = Path(args.heads_root) if args.heads_root else cli.heads_root(args.model, path)
+    configs = list(dict.fromkeys((m, tree_used(t, m, heads_root / m), dv) for m, t, dv in configs))
 
     _check_outputs(args)
     tasks = tasks_of(records)
@@ -429,11 +446,11 @@ def _benchmark(args: argparse.Namespace) -> int:
                 measured = run_engines(generators, prompts, b, args.max_new_tokens, args.repeats, progress,
                                        sampling, args.seed, tasks, answer_eos)
                 if args.profile and b == sizes[0] and temp == temps[0]:
-                    group = cli.padded_batches(prompts, b)[0][0]
+                    group = cli.batches(prompts, b)[0]
                     for name, gen in generators.items():
                         progress.set_postfix_str(f"{name}, profiling")
                         profiles[name] = profile_ops(gen, group, args.max_new_tokens, sampling, args.seed,
-                                                     Path(args.profile) / profile_folder(name))
+                                                     Path(args.profile) / profile_folder(name), batch_size=b)
                 for (method, spec, dv), (name, gen) in zip(configs, generators.items()):
                     stats, tokens = measured[name]
                     tree = getattr(gen, "tree", None)

@@ -310,21 +310,6 @@ def batches(items: Sequence, size: int) -> list[Sequence]:
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
-def padded_batches(items: Sequence, size: int) -> list[tuple[list, int]]:
-    """`items` in batches of exactly `size`, so that one compiled program serves them all: (batch, how many
-    of its items are real), the last batch filled with copies of its first item. Run by `generate_padded`,
-    a copy costs no decoding step, and the real rows' tokens are what a smaller batch would give (each
-    row's random key depends on its index alone)."""
-    return [(list(group) + [group[0]] * (size - len(group)), len(group)) for group in batches(items, size)]
-
-
-def generate_padded(generator, group: list[list[int]], real: int, max_new_tokens: int, **kwargs):
-    """`generator.generate` on a batch of `padded_batches`: its `real` rows get `max_new_tokens`, the
-    copies filling it a budget of 0."""
-    return generator.generate(group, max_new_tokens, budgets=[max_new_tokens] * real + [0] * (len(group) - real),
-                              **kwargs)
-
-
 COMPILE_CACHE_ENV = "CLOVER_JAX_COMPILE_CACHE"
 
 

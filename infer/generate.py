@@ -23,6 +23,7 @@ from clover_jax.errors import CloverError
 from clover_jax.heads import DEFAULT_NUM_HEADS, METHODS as HEAD_METHODS, HeadsConfig, make_heads
 from clover_jax.model import Llama
 from clover_jax.sampling import SamplingConfig
+from clover_jax.sharding import describe_mesh
 from clover_jax.speculative import SpeculativeGenerator
 from clover_jax.tree import resolve_tree
 from infer import cli
@@ -114,8 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts of --prompts generated together in one batch; a last, smaller batch is filled "
                         "to this size, so it needs no program of its own (default: 8; 1 with --stream)")
     p.add_argument("--mesh", metavar="SPEC",
-                   help="shard over devices: axis=size pairs over data, fsdp and model, e.g. data=2,model=4 "
-                        "(the sizes multiply to the device count; default: one device)")
+                   help="shard over devices: axis=size pairs over data, fsdp and model, e.g. data=2,model=4; "
+                        "one axis may be -1, the devices the others leave (data=-1,model=4); sizes that "
+                        "multiply to fewer devices than there are take the first ones (the statistics line "
+                        "says how many); a batch is filled to a multiple of data x fsdp (default: one device)")
     cli.add_distributed_flags(p)
     cli.add_compile_cache_flag(p)
     p.add_argument("--json", action="store_true",
@@ -182,11 +185,11 @@ class Tally:
         self.new_tokens = self.steps = self.seq_steps = 0
         self.compile_s = self.run_s = 0.0
 
-    def add(self, out, real: int | None = None) -> None:
-        """Count a generate call's first `real` rows (the rest fill the batch: `cli.padded_batches`)."""
-        self.new_tokens += sum(len(t) for t in out.tokens[:real])
+    def add(self, out) -> None:
+        """Count a generate call's rows (its real ones: `Generator.generate` returns no filler)."""
+        self.new_tokens += sum(len(t) for t in out.tokens)
         self.steps += out.steps
-        self.seq_steps += sum(out.sequence_steps[:real])
+        self.seq_steps += sum(out.sequence_steps)
         self.compile_s += out.compile_seconds
         self.run_s += out.run_seconds
 
@@ -197,6 +200,8 @@ class Tally:
         if tree is not None:
             vocab = generator.draft_vocab
             shape += f", drafting from {'all' if vocab is None else vocab.size} tokens"
+        if generator.mesh is not None:
+            shape += f" mesh {describe_mesh(generator.mesh)}"
         return (f"[{method}]{shape} new_tokens={self.new_tokens} steps={self.steps} tau={tau:.2f} "
                 f"tokens/s={self.new_tokens / max(self.run_s, 1e-9):.1f} compile={self.compile_s:.2f}s "
                 f"run={self.run_s:.2f}s")
@@ -276,13 +281,14 @@ def answer_every_turn(generator: Generator, tokenizer, records, texts, prompts: 
     def answer(batch: list[list[int]], turn: int) -> list[list[int]]:
         nonlocal batches
         replies, steps = [], []
-        for group, real in cli.padded_batches(batch, min(batch_size, len(batch))):
-            out = cli.generate_padded(generator, group, real, max_new_tokens, sampling=sampling,
-                                      seed=seed + batches, eos_ids=eos)
+        size = min(batch_size, len(batch))
+        for group in cli.batches(batch, size):
+            out = generator.generate(group, max_new_tokens, sampling=sampling, seed=seed + batches, eos_ids=eos,
+                                     batch_size=size)
             batches += 1
-            tally.add(out, real)
-            replies += out.tokens[:real]
-            steps += out.sequence_steps[:real]
+            tally.add(out)
+            replies += out.tokens
+            steps += out.sequence_steps
         steps_by_turn.append(steps)
         return replies
 
@@ -320,7 +326,8 @@ def _generate(args: argparse.Namespace) -> int:
     prompts = cli.encode_prompts(tokenizer, texts, args.chat, args.system, cfg.bos_token_id)
     eos = cli.eos_ids(path, cfg, tokenizer)
     size = args.batch_size if args.batch_size is not None else 1 if args.stream else 8
-    groups = cli.padded_batches(list(range(len(prompts))), min(size, max(len(prompts), 1)))
+    size = min(size, max(len(prompts), 1))
+    groups = cli.batches(list(range(len(prompts))), size)
 
     mesh = cli.mesh_of(args)
     _, model = load_pretrained(path, dtype=DTYPES[args.dtype], mesh=mesh)
@@ -348,16 +355,16 @@ def _generate(args: argparse.Namespace) -> int:
     # terminal the answers themselves show it.
     bar = tqdm(total=len(prompts), desc="generate", unit="prompt", file=sys.stderr, leave=False, dynamic_ncols=True,
                disable=len(groups) < 2 or sys.stdout.isatty() or not sys.stderr.isatty())
-    for k, (group, real) in enumerate(groups):
+    for k, group in enumerate(groups):
         printer = None
         if args.stream:
             if group[0]:
                 print("---", flush=True)
             printer = StreamPrinter(tokenizer)
-        out = cli.generate_padded(generator, [prompts[i] for i in group], real, args.max_new_tokens,
-                                  sampling=sampling, seed=args.seed + k, eos_ids=eos, on_tokens=printer)
-        tally.add(out, real)
-        for i, tokens, steps in zip(group[:real], out.tokens, out.sequence_steps):
+        out = generator.generate([prompts[i] for i in group], args.max_new_tokens, sampling=sampling,
+                                 seed=args.seed + k, eos_ids=eos, on_tokens=printer, batch_size=size)
+        tally.add(out)
+        for i, tokens, steps in zip(group, out.tokens, out.sequence_steps):
             if printer:  # the text is on the screen already, but for what the last step left held back
                 printer.show(tokens, final=True)
                 print()
@@ -366,7 +373,7 @@ def _generate(args: argparse.Namespace) -> int:
                 print("---")
             print(answer_line(tokenizer, texts[i][0], tokens, steps, eos, args.json))
         sys.stdout.flush()
-        bar.update(real)
+        bar.update(len(group))
     bar.close()
     print(tally.line(args.method, generator), file=sys.stderr)
     return 0

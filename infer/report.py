@@ -66,7 +66,7 @@ def machine_info(bandwidth: float) -> dict:
 
 
 def format_table(rows: list[Row]) -> str:
-    head = f"{'method':<17}{'batch':>5} {'tree':<22}{'vocab':>6}{'tau':>6}{'tok/s':>9}{'speedup':>8}{'step ms':>9}" \
+    head = f"{'method':<17}{'batch':>5} {'tree (nodes)':<22}{'vocab':>6}{'tau':>6}{'tok/s':>9}{'speedup':>8}{'step ms':>9}" \
            f"{'compile s':>10}{'compiles':>9}  accept@1..D"
     lines = [head, "-" * len(head)]
     for r in rows:

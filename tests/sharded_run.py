@@ -1,6 +1,6 @@
 """Run by tests/test_sharding.py in a fresh process with 8 virtual CPU devices (XLA_FLAGS must be set
 before JAX starts): greedy plain and speculative generation (also with a draft vocabulary, and streamed) on several meshes,
-printed as JSON."""
+a single prompt filled to the data axis, and meshes over fewer devices or with a -1 axis, printed as JSON."""
 
 import json
 import sys
@@ -13,7 +13,7 @@ from clover_jax.decode import Generator
 from clover_jax.draft_vocab import DraftVocab
 from clover_jax.heads import HeadsConfig, make_heads
 from clover_jax.model import Llama
-from clover_jax.sharding import make_mesh
+from clover_jax.sharding import describe_mesh, make_mesh
 from clover_jax.speculative import SpeculativeGenerator
 from clover_jax.tree import resolve_tree
 
@@ -40,7 +40,9 @@ def run(mesh_spec):
         kernel = base.layers[0].mlp.gate_proj.kernel.get_value()
         info = {"gate_proj": str(kernel.sharding.spec), "gate_proj_shards": len({str(s.index) for s in kernel.addressable_shards}),
                 "cache": str(out.state.cache.k[0].sharding.spec), "aug_cache": str(out.state.aug_cache.k[0].sharding.spec),
-                "draft_vocab_rows": str(vocab_gen.draft_vocab.rows.sharding.spec)}
+                "draft_vocab_rows": str(vocab_gen.draft_vocab.rows.sharding.spec), "mesh": describe_mesh(mesh),
+                # one prompt: filled to the batch split (data x fsdp), only its own row returned
+                "one_prompt": Generator(base, mesh=mesh).generate(PROMPTS[1:2], 8, eos_ids=()).tokens}
     shown = []  # streaming: the tokens the host was handed after each step
     spec_gen.generate(PROMPTS, 8, eos_ids=(), on_tokens=lambda t, n: shown.append([t[i, :k].tolist() for i, k in enumerate(n)]))
     return {"plain": plain, "speculative": out.tokens, "streamed": shown[-1],
@@ -49,4 +51,6 @@ def run(mesh_spec):
 
 if __name__ == "__main__":
     assert jax.device_count() == 8, jax.device_count()
-    print(json.dumps({str(m): run(m) for m in [None] + sys.argv[1:]}))
+    shapes = {spec: [describe_mesh(mesh), dict(mesh.shape)] for spec in ("data=-1,model=4", "model=-1", "fsdp=2,data=-1")
+              for mesh in [make_mesh(spec)]}
+    print(json.dumps({"shapes": shapes, **{str(m): run(m) for m in [None] + sys.argv[1:]}}))

@@ -18,7 +18,8 @@ from infer import benchmark, cli, profiling, report
 def test_benchmark_runs_and_reports(tmp_path, capsys):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     code = benchmark.main(["--methods", "plain,medusa,clover2", "--num-prompts", "3", "--batch-sizes", "1,2",
-                           "--max-new-tokens", "6", "--repeats", "1", "--tree", "medusa=chain:2", "--tree", "medusa=chain:1", "--hf",
+                           "--max-new-tokens", "6", "--repeats", "1", "--tree", "medusa=chain:2", "--tree", "medusa=chain:1",
+                           "--tree", "clover2=default", "--hf",
                            "--shape", "tiny", "--shape-layers", "1", "--json", str(out), "--plot", str(png),
                            "--profile", str(tmp_path / "profile")])
     assert code == 0
@@ -66,6 +67,21 @@ def test_benchmark_runs_and_reports(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "profile, clover2 default (batch 1): most costly operations per step" in table
     assert "hf-prompt-lookup" in table and "of the limit" in table and "projected speedup" in table
+
+
+def test_default_tree_is_auto_and_each_row_names_the_tree_it_used(tmp_path, capsys):
+    """No --tree: each method's `auto` tree, resolved as infer.generate resolves it (on this CPU a chain
+    through every head), and the row, the table and the JSON name it; `default` is the paper tree."""
+    assert benchmark._configs([], ["plain", "clover2"]) == [("plain", None), ("clover2", "auto")]
+    heads = cli.model_dir(None) / "heads" / "medusa"
+    assert benchmark.tree_used("auto", "medusa", heads) == "chain:4"
+    assert benchmark.tree_used("default", "medusa", heads) == "default"
+    out = tmp_path / "bench.json"
+    assert benchmark.main(["--methods", "plain,clover2", "--num-prompts", "1", "--batch-sizes", "1",
+                           "--max-new-tokens", "3", "--repeats", "1", "--json", str(out)]) == 0
+    [row] = [r for r in json.loads(out.read_text())["results"] if r["method"] == "clover2"]
+    assert (row["tree"], row["tree_nodes"], row["matches_plain"]) == ("chain:5", 6, True)
+    assert "chain:5 (6)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("args, message", [

@@ -159,3 +159,27 @@ def test_non_finite_logits(hf_checkpoint):
     with pytest.raises(CloverError, match=r"non-finite logits") as excinfo:
         Generator(model).generate([[1, 2, 3]], 2)
     assert_one_line(excinfo)
+
+
+def test_batch_size_fills_the_batch_and_returns_the_real_rows(llama2):
+    """`batch_size` fills a smaller batch with budget-0 copies, so one program serves every batch, and
+    hands back only the real rows: the tokens an unfilled batch gives them, sampled ones too (a row's key
+    depends on its index alone), with the streaming callback shown those rows alone."""
+    _, gen = llama2
+    sampling = SamplingConfig(temperature=1.0)
+    for s in (SamplingConfig(), sampling):
+        alone = gen.generate(PROMPTS[:2], MAX_NEW, s, seed=5, eos_ids=[])
+        filled = gen.generate(PROMPTS[:2], MAX_NEW, s, seed=5, eos_ids=[], batch_size=4)
+        assert filled.tokens == alone.tokens and filled.sequence_steps == alone.sequence_steps
+        assert np.asarray(filled.state.num_new).tolist() == [MAX_NEW, MAX_NEW, 0, 0]  # the filler: no budget
+    compiled = gen.compilations
+    shown = []
+    one = gen.generate(PROMPTS[1:2], MAX_NEW, sampling, seed=5, eos_ids=[], batch_size=4,
+                       on_tokens=lambda tokens, counts: shown.append(counts.tolist()))
+    assert len(one.tokens) == 1 and one.tokens[0] == gen.generate(PROMPTS[1:2], MAX_NEW, sampling, seed=5,
+                                                                 eos_ids=[]).tokens[0]
+    assert shown and all(len(c) == 1 for c in shown)
+    assert gen.compilations == compiled + 2  # the streaming program, and the unfilled batch of one
+    with pytest.raises(CloverError, match="batch_size=2 is smaller than the 3 prompts") as excinfo:
+        gen.generate(PROMPTS, MAX_NEW, batch_size=2)
+    assert_one_line(excinfo)

@@ -21,18 +21,24 @@ HERE = Path(__file__).resolve().parent
 
 @pytest.fixture(scope="module")
 def sharded_results():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    # The checkout's own code, not whichever one an editable install points at.
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, str(HERE / "sharded_run.py"), "data=1,model=8", "data=2,model=4",
-                           "data=8,model=1", "fsdp=2,model=4"],
+                           "data=8,model=1", "fsdp=2,model=4", "model=4"],
                           capture_output=True, text=True, env=env, timeout=600, cwd=HERE.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("mesh", ["data=1,model=8", "data=2,model=4", "data=8,model=1", "fsdp=2,model=4"])
+@pytest.mark.parametrize("mesh", ["data=1,model=8", "data=2,model=4", "data=8,model=1", "fsdp=2,model=4", "model=4"])
 def test_sharded_generation_matches_one_device(sharded_results, mesh):
+    """model=4 runs on 4 of the 8 devices; a single prompt is filled to the batch split and comes back alone."""
     one, sharded = sharded_results["None"], sharded_results[mesh]
     assert sharded["plain"] == one["plain"]
+    assert sharded["one_prompt"] == one["plain"][1:2]
+    used = 4 if mesh == "model=4" else 8
+    assert sharded["mesh"] == f"{mesh.replace('data=1,', '').replace(',model=1', '')} on {used} of 8 devices"
     assert sharded["speculative"] == one["speculative"] == one["plain"]
     assert sharded["draft_vocab"] == one["draft_vocab"] == one["plain"]
     assert sharded["streamed"] == one["streamed"] == one["plain"]  # the last step's tokens, handed to the host
@@ -58,6 +64,22 @@ def test_mesh_spec_parsing_and_errors():
     with pytest.raises(CloverError, match="needs 8 devices") as e:
         make_mesh("data=2,model=4")
     assert_one_line(e)
+    assert parse_mesh("data=-1,model=2") == {"data": -1, "model": 2}
+    with pytest.raises(CloverError, match="only one axis can be -1") as e:
+        parse_mesh("data=-1,model=-1")
+    assert_one_line(e)
+    with pytest.raises(CloverError, match=r"the other axes \(2 devices\) do not divide the 1 devices") as e:
+        make_mesh("data=-1,model=2")
+    assert_one_line(e)
+    assert dict(make_mesh("model=-1").shape) == {"data": 1, "fsdp": 1, "model": 1}
+
+
+def test_a_mesh_may_take_fewer_devices_or_the_rest(sharded_results):
+    """On 8 devices: -1 takes what the other axes leave; sizes multiplying to fewer take the first ones."""
+    shapes = sharded_results["shapes"]
+    assert shapes["data=-1,model=4"] == ["data=2,model=4 on 8 of 8 devices", {"data": 2, "fsdp": 1, "model": 4}]
+    assert shapes["model=-1"][1] == {"data": 1, "fsdp": 1, "model": 8}
+    assert shapes["fsdp=2,data=-1"][0] == "data=4,fsdp=2 on 8 of 8 devices"
 
 
 def test_a_mesh_that_does_not_divide_the_model_is_one_clear_line():
@@ -80,7 +102,7 @@ def test_two_processes_generate_the_single_process_tokens(sharded_results):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     procs = [subprocess.Popen([sys.executable, str(HERE / "multiprocess_run.py"), str(i), str(port)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=HERE.parent)
              for i in range(2)]
@@ -95,3 +117,20 @@ def test_two_processes_generate_the_single_process_tokens(sharded_results):
     for out, _ in outs:
         r = json.loads(out.strip().splitlines()[-1])
         assert r["plain"] == one["plain"] and r["speculative"] == one["speculative"]
+
+
+def test_generate_one_prompt_on_a_data_axis_and_the_rest_of_the_devices(capsys):
+    """`infer.generate --mesh data=2,model=-1 --prompt ...` on 8 devices: the single prompt is filled to the
+    data axis, -1 takes the 4 devices left, the statistics line says so, and the text is one device's."""
+    from infer import generate
+
+    flags = ["--prompt", "def fibonacci(n):", "--max-new-tokens", "6", "--compile-cache", "off"]
+    assert generate.main(flags) == 0
+    want = capsys.readouterr().out
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "infer.generate", "--mesh", "data=2,model=-1", *flags],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=HERE.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == want
+    assert "mesh data=2,model=4 on 8 of 8 devices" in proc.stderr.strip().splitlines()[-1]

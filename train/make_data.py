@@ -164,14 +164,13 @@ def _check_ids(ids: list[int], vocab: int, where: str) -> None:
 def self_distill(gen: Generator, prompts: list[list[int]], max_new_tokens: int, max_len: int, batch_size: int,
                  sampling: SamplingConfig, seed: int, eos: tuple[int, ...], desc: str = "generate") -> list[list[int]]:
     """The base model's own responses (EOS included when hit). Batch k uses seed + k; every batch has
-    one compiled shape (`cli.padded_batches`)."""
+    one compiled shape (`Generator.generate`'s `batch_size`)."""
     out: list[list[int]] = []
-    groups = cli.padded_batches(prompts, batch_size)
-    for k, (group, real) in enumerate(tqdm(groups, desc=desc, unit="batch", dynamic_ncols=True)):
+    groups = cli.batches(prompts, batch_size)
+    for k, group in enumerate(tqdm(groups, desc=desc, unit="batch", dynamic_ncols=True)):
         # Near the context limit the budget shrinks so prompt + response still fits the cache.
         new = min(max_new_tokens, max_len - max(len(p) for p in group))
-        result = cli.generate_padded(gen, group, real, new, sampling=sampling, seed=seed + k, eos_ids=eos)
-        out.extend(result.tokens[:real])
+        out += gen.generate(group, new, sampling=sampling, seed=seed + k, eos_ids=eos, batch_size=batch_size).tokens
     return out
 
 
@@ -301,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="self mode: sampling seed; generation batch k uses S+k (default: %(default)s)")
     p.add_argument("--mesh", metavar="SPEC",
                    help="shard the base model over this process's devices, e.g. model=8 or data=2,model=4 (axes "
-                        "data, fsdp, model; --batch-size must divide by data x fsdp); default: one device")
+                        "data, fsdp, model; one may be -1 for the rest); default: one device")
     cli.add_compile_cache_flag(p)
     return p
 
