@@ -27,9 +27,6 @@ from clover_jax.errors import CloverError
 from clover_jax.layers import DecoderLayer, Linear, RMSNorm
 from clover_jax.model import Llama
 
-METHODS = ("medusa", "clover", "clover2")
-DEFAULT_NUM_HEADS = {"medusa": 4, "clover": 3, "clover2": 5}
-
 
 @dataclasses.dataclass(frozen=True)
 class HeadsConfig:
@@ -41,8 +38,9 @@ class HeadsConfig:
     noise: float = 0.01  # scale of the uniform noise added to identity initialisations
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise CloverError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        from clover_jax import methods  # the registry names these classes: imported late
+
+        methods.get(self.method)
         if self.num_heads < 1:
             raise CloverError(f"num_heads={self.num_heads} must be >= 1")
         if self.embed_source not in ("lm_head", "input"):
@@ -50,7 +48,9 @@ class HeadsConfig:
 
     @property
     def aug_layers(self) -> int:
-        return {"medusa": 0, "clover": 1, "clover2": 2}[self.method]
+        from clover_jax import methods
+
+        return methods.get(self.method).aug_layers
 
 
 def _eye_plus_uniform(key, n: int, m: int, noise: float, dtype) -> jax.Array:
@@ -299,9 +299,9 @@ class Clover2Heads(Heads):
         return self.head_norm(self.w2(jnp.concatenate([state, e], axis=-1)))
 
 
-HEAD_CLASSES = {"medusa": MedusaHeads, "clover": CloverHeads, "clover2": Clover2Heads}
-
-
 def make_heads(hcfg: HeadsConfig, base: Llama, seed: int = 0) -> Heads:
-    """Freshly initialised heads for `base` (the Augmenting Block copied from its last layer)."""
-    return HEAD_CLASSES[hcfg.method](hcfg, base, rngs=nnx.Rngs(seed))
+    """Freshly initialised heads for `base` (the Augmenting Block copied from its last layer), of the
+    class the method registry names."""
+    from clover_jax import methods
+
+    return methods.get(hcfg.method).drafter(hcfg, base, rngs=nnx.Rngs(seed))

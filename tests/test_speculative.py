@@ -20,7 +20,8 @@ from clover_jax.config import ModelConfig
 from clover_jax.decode import Generator, prefill
 from clover_jax.draft_vocab import DraftVocab
 from clover_jax.errors import CloverError
-from clover_jax.heads import DEFAULT_NUM_HEADS, Heads, HeadsConfig, make_heads
+from clover_jax import methods
+from clover_jax.heads import Heads, HeadsConfig, make_heads
 from clover_jax.model import Llama
 from clover_jax.sampling import SamplingConfig
 from clover_jax.speculative import (SpeculativeGenerator, StepTree, accept_greedy, compact, draft, draft_dynamic,
@@ -129,7 +130,7 @@ def random_generators(ref):
 
     def get(method, spec):
         if (method, spec) not in made:
-            heads = perturb(make_heads(HeadsConfig(method, DEFAULT_NUM_HEADS[method]), ref.base, seed=3), seed=4)
+            heads = perturb(make_heads(HeadsConfig(method, methods.get(method).depth), ref.base, seed=3), seed=4)
             made[method, spec] = SpeculativeGenerator(ref.base, heads, resolve_tree(spec, method, heads.num_heads))
         return made[method, spec]
 
@@ -207,7 +208,7 @@ def test_greedy_matches_plain_with_a_draft_vocabulary(ref, fresh, method, spec, 
     drafted) still write exactly the plain greedy text, and every drafted token is in the subset."""
     counts = np.bincount(np.concatenate(ref.free), minlength=ref.base.cfg.vocab_size)
     vocab = DraftVocab.most_frequent(ref.base.lm_head_weight(), counts, int((counts > 0).sum()) // 2)
-    heads = perturb(make_heads(HeadsConfig(method, DEFAULT_NUM_HEADS[method]), ref.base, seed=3), seed=4)
+    heads = perturb(make_heads(HeadsConfig(method, methods.get(method).depth), ref.base, seed=3), seed=4)
     gen = SpeculativeGenerator(ref.base, heads, resolve_tree(spec, method, heads.num_heads), draft_vocab=vocab)
     rows = range(len(PROMPTS)) if batch == len(PROMPTS) else [EOS_ROW]
     prompts = [PROMPTS[i] for i in rows]
