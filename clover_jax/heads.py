@@ -83,11 +83,12 @@ class ResBlock(nnx.Module):
         return x + jax.nn.silu(self.linear(x))
 
 
-def token_embeddings(base: Llama, source: str, normalise: bool) -> jax.Array:
-    """[V, D] token embeddings the heads read (frozen): lm_head rows (Clover normalises them) or the
-    input embedding table."""
+def token_embeddings(base: Llama, source: str, normalise: bool, tokens: jax.Array | None = None) -> jax.Array:
+    """Token embeddings the heads read (frozen): lm_head rows (Clover normalises them) or the input
+    embedding table; [V, D], or [..., D] the rows of `tokens` [...]. The rows are gathered before they
+    are normalised (each row on its own), so a draft level normalises its nodes' rows, not all V."""
     table = base.lm_head_weight() if source == "lm_head" else base.embed_tokens.embedding[...]
-    table = jax.lax.stop_gradient(table)
+    table = jax.lax.stop_gradient(table if tokens is None else jnp.take(table, tokens, axis=0))
     if normalise:
         tf = table.astype(jnp.float32)
         table = (tf / (jnp.linalg.norm(tf, axis=-1, keepdims=True) + 1e-6)).astype(table.dtype)
@@ -198,11 +199,11 @@ class CloverAttentionDecoder(nnx.Module):
         self.q.kernel[...] = _eye_plus_uniform(rngs.params(), d, d, noise, dtype)
         self.k.kernel[...] = _eye_plus_uniform(rngs.params(), d, d, noise, dtype)
         self.v.kernel[...] = jnp.zeros((d, d), dtype)
-        self.num_heads = _gate_heads(cfg)
+        self.attn_heads = _gate_heads(cfg)
 
     def __call__(self, h, e):
         q, k, v = self.q(self.norm(h)), self.k(e), self.v(e)
-        split = lambda x: x.reshape(*x.shape[:-1], self.num_heads, -1)
+        split = lambda x: x.reshape(*x.shape[:-1], self.attn_heads, -1)
         score = jnp.sum(split(q) * split(k), axis=-1, keepdims=True) / jnp.sqrt(split(q).shape[-1])
         weight = jax.nn.softmax(score[..., None], axis=-1)[..., 0]  # one key per query: exactly 1
         return h + (split(v) * weight.astype(v.dtype)).reshape(h.shape)
@@ -224,7 +225,7 @@ class CloverHeads(Heads):
         return self.run_aug(hidden, positions, mask, cache)
 
     def node_state(self, base, k, state, token):
-        e = jnp.take(token_embeddings(base, "lm_head", True), token, axis=0).astype(state.dtype)
+        e = token_embeddings(base, "lm_head", True, token).astype(state.dtype)
         return self.decoder(state, e)
 
     def node_hidden(self, base, k, state, token):
@@ -245,10 +246,10 @@ class GateDecoder(nnx.Module):
         self.q.kernel[...] = _eye_plus_uniform(rngs.params(), d, d, noise, dtype)
         self.k.kernel[...] = _eye_plus_uniform(rngs.params(), d, d, noise, dtype)
         self.v.kernel[...] = (noise * jax.random.uniform(rngs.params(), (d, d), dtype)).astype(dtype)
-        self.num_heads = _gate_heads(cfg)
+        self.attn_heads = _gate_heads(cfg)
 
     def __call__(self, x, e):
-        split = lambda t: t.reshape(*t.shape[:-1], self.num_heads, -1).astype(jnp.float32)
+        split = lambda t: t.reshape(*t.shape[:-1], self.attn_heads, -1).astype(jnp.float32)
         q, k, v = split(self.q(self.norm(x))), split(self.k(e)), split(self.v(e))
         # Each norm clamped at eps as torch.cosine_similarity does; sqrt of a clamped square keeps the
         # gradient finite at a zero vector (padding rows), where d|x|/dx is 0/0.
@@ -281,7 +282,7 @@ class Clover2Heads(Heads):
         self.w2.kernel[...] = _eye_plus_uniform(rngs.params(), 2 * d, d, hcfg.noise, dtype)
 
     def _embed(self, base, token, dtype):
-        return jnp.take(token_embeddings(base, self.hcfg.embed_source, False), token, axis=0).astype(dtype)
+        return token_embeddings(base, self.hcfg.embed_source, False, token).astype(dtype)
 
     def context(self, base, hidden, hidden_normed, next_tokens, positions, mask, cache):
         x = self.decoder_in(hidden, self._embed(base, next_tokens, hidden.dtype))

@@ -28,7 +28,8 @@ from clover_jax.draft_vocab import DraftVocab
 from clover_jax.errors import CloverError
 from clover_jax.heads import Heads
 from clover_jax.model import Llama
-from clover_jax.sampling import SamplingConfig, distribution, draw_without_replacement, sample, step_keys, top_k
+from clover_jax.sampling import (ACCEPT, BONUS, DRAW, SamplingConfig, distribution, draw_without_replacement, sample,
+                                 step_keys, top_k, use_keys)
 from clover_jax.sharding import constrain_cache, place_draft_vocab, shard_module
 from clover_jax.tree import DynamicTree, Tree
 
@@ -92,7 +93,7 @@ def draft(base: Llama, heads: Heads, tree: Tree, context: jax.Array, root: jax.A
         else:
             q = distribution(logits, sampling)
             dists.append(q if vocab is None else vocab.expand(q, base.cfg.vocab_size))
-            top = draw_without_replacement(q, step_keys(key, d), tree.max_rank[d - 1])
+            top = draw_without_replacement(q, use_keys(key, DRAW, d), tree.max_rank[d - 1])
         if vocab is not None:
             top = vocab.token(top)
         parent_idx = tree.parents[level] - prev.start  # index inside the previous level
@@ -168,7 +169,7 @@ def draft_dynamic(base: Llama, heads: Heads, tree: DynamicTree, context: jax.Arr
         slot_score = f_logp[:, :, None] + jnp.where(keep, jnp.log(prob), -jnp.inf)  # [B, F, W]
         if drawn:
             frontier_q.append(q if vocab is None else vocab.expand(q, base.cfg.vocab_size))
-            tok = draw_without_replacement(q, step_keys(key, d), w)  # in draw order
+            tok = draw_without_replacement(q, use_keys(key, DRAW, d), w)  # in draw order
             prob = jnp.take_along_axis(q, tok, -1)
         if vocab is not None:
             tok = vocab.token(tok)
@@ -278,7 +279,7 @@ def accept_sample(st: StepTree, tokens: jax.Array, logits: jax.Array, sampling: 
     b = tokens.shape[0]
     rows = jnp.arange(b)
     take = lambda x, idx: x[rows, idx]
-    uniform = lambda k, tag: jax.vmap(lambda kk: jax.random.uniform(jax.random.fold_in(kk, tag)))(k)
+    uniform = lambda d, r: jax.vmap(jax.random.uniform)(use_keys(key, ACCEPT, d, r))
     cur = jnp.zeros((b,), jnp.int32)
     p = distribution(logits[:, 0], sampling)
     active = jnp.ones((b,), bool)
@@ -291,7 +292,7 @@ def accept_sample(st: StepTree, tokens: jax.Array, logits: jax.Array, sampling: 
             tok = take(tokens, jnp.maximum(child, 0))
             q_tok = jnp.ones((b,)) if q is None else take(q, tok)
             test = active & ~moved & (child >= 0) & (q_tok > 0)
-            keep = test & (uniform(key, 1000 * d + r) < accept_probability(take(p, tok), q_tok))
+            keep = test & (uniform(d, r) < accept_probability(take(p, tok), q_tok))
             nxt = jnp.where(keep, child, nxt)
             moved = moved | keep
             reject = (test & ~keep)[:, None]
@@ -301,7 +302,7 @@ def accept_sample(st: StepTree, tokens: jax.Array, logits: jax.Array, sampling: 
                 q = jnp.where(reject, _normalise(q.at[rows, tok].set(0.0), jnp.zeros_like(q)), q)
         p = jnp.where(moved[:, None], distribution(take(logits, nxt), sampling), p)
         cur, active = nxt, active & moved
-    bonus = jax.vmap(lambda k, pr: jax.random.categorical(jax.random.fold_in(k, 999_999), jnp.log(pr)))(key, p)
+    bonus = jax.vmap(jax.random.categorical)(use_keys(key, BONUS), jnp.log(p))
     return cur, bonus.astype(jnp.int32), path_to(st, cur, len(ranks))
 
 
