@@ -1,4 +1,4 @@
-"""Draft heads: Medusa, Clover and Clover-2, behind one small interface the engine drafts through.
+"""Draft heads: Medusa, Clover and Clover-2, drafters (`drafter.Drafter`) built on three questions.
 
 Every head family answers three questions (k = depth of a tree node, 0 for the root):
 - `context`: per-position context states from the base model's hidden states (and, for Clover-2, the
@@ -7,7 +7,9 @@ Every head family answers three questions (k = depth of a tree node, 0 for the r
   parent's state (the root's parent state is the context) - the Regressive Connection;
 - `node_hidden(k, state, token)`: the vector [.., D] the base model's frozen `lm_head` turns into
   logits over the node's children (`node_logits`); Clover-2's distillation loss reads it.
-Medusa ignores tokens (`token_dependent = False`), so the engine computes its logits once per depth.
+`init`/`commit`/`expand` (the drafter interface) are built on them here: the state is the Augmenting
+Block's cache and the context at the last committed position, a node's carry is its state. Medusa
+ignores tokens (`token_dependent = False`), so its `expand` computes one distribution per depth.
 The architectures and initialisations are SPEC section 2's; where the papers leave a detail open, the
 choice follows the authors' code and is said in the docstring.
 """
@@ -16,16 +18,19 @@ from __future__ import annotations
 
 import dataclasses
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from clover_jax.cache import KVCache
+from clover_jax.cache import KVCache, causal_mask
 from clover_jax.config import ModelConfig
 from clover_jax.draft_vocab import DraftVocab
+from clover_jax.drafter import Committed, Drafter, Frontier
 from clover_jax.errors import CloverError
 from clover_jax.layers import DecoderLayer, Linear, RMSNorm
 from clover_jax.model import Llama
+from clover_jax.sharding import constrain_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +100,16 @@ def token_embeddings(base: Llama, source: str, normalise: bool, tokens: jax.Arra
     return table
 
 
-class Heads(nnx.Module):
-    """Shared plumbing; subclasses define the three questions above."""
+@flax.struct.dataclass
+class HeadsState:
+    """The heads' drafting state between steps."""
+
+    aug_cache: KVCache | None  # the Augmenting Block's own cache (None for Medusa)
+    context: jax.Array  # [B, D] the context state at the last committed position
+
+
+class Heads(nnx.Module, Drafter):
+    """Shared plumbing and the drafter interface; subclasses define the three questions above."""
 
     token_dependent = True
 
@@ -109,6 +122,34 @@ class Heads(nnx.Module):
     def num_heads(self) -> int:
         """K: the deepest tree these heads can draft."""
         return self.hcfg.num_heads
+
+    def init(self, base: Llama, batch: int, cache_len: int, mesh=None) -> HeadsState:
+        """Empty state: no committed position yet."""
+        aug = constrain_cache(self.init_aug_cache(batch, cache_len, base.dtype), mesh)
+        return HeadsState(aug_cache=aug, context=jnp.zeros((batch, self.base_cfg.hidden_size), base.dtype))
+
+    def commit(self, base: Llama, state: HeadsState, new: Committed, count, live) -> HeadsState:
+        """The context over the T new positions (the Augmenting Block causal over its cache, written
+        after each sequence's length); live sequences advance by count and keep the context at their
+        last new position, the others stay as they were."""
+        aug = state.aug_cache
+        t = new.tokens.shape[1]
+        positions = mask = None
+        if aug is not None:
+            positions = aug.lengths[:, None] + jnp.arange(t)[None, :]
+            mask = causal_mask(aug.lengths, t, aug.max_len)
+        ctx, aug = self.context(base, new.hidden, new.hidden_normed, new.tokens, positions, mask, aug)
+        if aug is not None:
+            aug = aug.advance(jnp.where(live, count, 0))
+        last = jnp.take_along_axis(ctx, (count - 1)[:, None, None], axis=1)[:, 0]
+        return HeadsState(aug_cache=aug, context=jnp.where(live[:, None], last, state.context))
+
+    def expand(self, base: Llama, state: HeadsState, frontier: Frontier, vocab: DraftVocab | None = None):
+        """Each frontier node's state from its parent's (the context at the root) and its token, and
+        the logits over its children; the carry is the node's state."""
+        parent = state.context[:, None] if frontier.carry is None else frontier.carry
+        node = self.node_state(base, frontier.depth, parent, frontier.tokens)
+        return self.node_logits(base, frontier.depth, node, frontier.tokens, vocab), node, state
 
     def init_aug_cache(self, batch: int, max_len: int, dtype) -> KVCache | None:
         """An empty KV cache for the Augmenting Block, or None for heads without one (Medusa)."""
@@ -180,6 +221,10 @@ class MedusaHeads(Heads):
 
     def node_hidden(self, base, k, state, token):
         return self.blocks[k](state)
+
+    def expand(self, base, state, frontier, vocab=None):
+        """One distribution per depth, from the context alone: [B, 1, V], no carry."""
+        return self.node_logits(base, frontier.depth, state.context, None, vocab)[:, None], None, state
 
 
 class CloverAttentionDecoder(nnx.Module):

@@ -1,5 +1,5 @@
 """Tree topology for speculative decoding: static trees as host-side NumPy constants built once, and
-the settings of a dynamic tree (chosen per step under a fixed node budget; drafted in speculative.py).
+the settings of a dynamic tree (chosen per step under a fixed node budget; drafted in drafting.py).
 
 A tree is written as Medusa and EAGLE write it: a list of paths, each path the sequence of child ranks
 from the root (rank r = the r-th best candidate of the parent's draft distribution), e.g.
@@ -81,6 +81,11 @@ class Tree:
     def max_depth(self) -> int:
         """D: the most draft tokens one step can accept (the heads it needs)."""
         return len(self.depth_nodes)
+
+    @property
+    def draft_slots(self) -> int:
+        """S: the draft slots a drafter's own cache needs past the prefix (one per node)."""
+        return self.num_nodes
 
     @property
     def num_leaves(self) -> int:
@@ -269,6 +274,11 @@ class DynamicTree:
     def candidates(self) -> int:
         """Candidate nodes drafted per step (D x W), of which num_nodes - 1 are verified."""
         return self.max_depth * self.beam
+
+    @property
+    def draft_slots(self) -> int:
+        """S: the draft slots a drafter's own cache needs past the prefix: the root and every candidate."""
+        return 1 + self.candidates
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.num_nodes},{self.beam}"

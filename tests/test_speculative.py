@@ -24,8 +24,10 @@ from clover_jax import methods
 from clover_jax.heads import Heads, HeadsConfig, make_heads
 from clover_jax.model import Llama
 from clover_jax.sampling import SamplingConfig
-from clover_jax.speculative import (SpeculativeGenerator, StepTree, accept_greedy, compact, draft, draft_dynamic,
-                                   update_context)
+from clover_jax.drafter import Committed
+from clover_jax.drafting import StepTree, draft_tree
+from clover_jax.heads import HeadsState
+from clover_jax.speculative import SpeculativeGenerator, accept_greedy, compact
 from clover_jax.tree import DynamicTree, Tree, chain, resolve_tree
 from conftest import TableHeads, assert_one_line
 
@@ -40,6 +42,14 @@ PREFILL_LEN = 48  # >= longest prompt + MAX_NEW + FREE_EXTRA
 # (None), and the two dynamic trees. Batch-1 cases keep the compile count (and the file's run time) down.
 CASES = [("chain:3", 4), ("widths:4,2", 1), (None, 4), ("dynamic:8", 4), ("eagle2:10", 1)]
 SEED = 1
+
+
+def draft_with_context(base, heads, tree, context, roots, sampling=SamplingConfig(), keys=None, vocab=None):
+    """(tokens [B, N], StepTree, draws) of the tree `heads` draft from their context state [B, D] at the
+    last committed position (no Augmenting Block cache: drafting does not read it)."""
+    state = HeadsState(aug_cache=None, context=context)
+    drafted, _ = draft_tree(base, heads, state, tree, roots, jnp.zeros(roots.shape, jnp.int32), sampling, keys, vocab)
+    return drafted.tokens, drafted.tree, drafted.draws
 
 
 def perturb(heads: Heads, seed: int, scale: float = 0.02) -> Heads:
@@ -103,10 +113,11 @@ def fresh(ref):
     @functools.partial(jax.jit, static_argnums=0)
     def run(heads_def, params, tokens, next_tokens, length):
         base, heads = nnx.merge(base_def, params[0]), nnx.merge(heads_def, params[1])
-        cache, hidden, normed, _ = prefill(base, tokens, length, PREFILL_LEN)
-        aug = heads.init_aug_cache(1, PREFILL_LEN, base.dtype)
-        context, aug = update_context(base, heads, aug, hidden, normed, next_tokens, length)
-        return cache, aug, context[0]
+        out, _ = prefill(base, tokens, length, PREFILL_LEN)
+        state = heads.init(base, 1, PREFILL_LEN)
+        new = Committed(out.hidden, out.hidden_normed, next_tokens)
+        state = heads.commit(base, state, new, length, jnp.ones((1,), bool))
+        return out.cache, state.aug_cache, state.context[0]
 
     def get(seq, next_token, heads):
         tokens = np.zeros((1, PREFILL_LEN), np.int32)
@@ -155,8 +166,8 @@ def check_run(out, want, prompts, budgets, ref, fresh, gen):
     state, depth = out.state, gen.tree.max_depth
     hist = np.asarray(state.accept_hist)
     np.testing.assert_array_equal(out.accept_hist, hist)
-    steps = int(state.step)
-    lengths = np.asarray(state.cache.lengths)
+    steps = int(state.plain.step)
+    lengths = np.asarray(state.plain.cache.lengths)
     assert hist.shape == (len(prompts), depth + 1)
     assert out.steps == steps + 1
     assert hist.sum(1).max() == steps
@@ -172,14 +183,14 @@ def check_run(out, want, prompts, budgets, ref, fresh, gen):
         assert lengths[b] == len(prompt) + committed[b]
         cont = ref.free[PROMPTS.index(prompt)]
         k, v, aug, context = fresh(prompt + cont[: committed[b]], cont[committed[b]], gen.heads)
-        np.testing.assert_allclose(np.stack(state.cache.k)[:, b, :, : lengths[b]], k, atol=1e-5)
-        np.testing.assert_allclose(np.stack(state.cache.v)[:, b, :, : lengths[b]], v, atol=1e-5)
-        assert (aug is None) == (state.aug_cache is None)
+        np.testing.assert_allclose(np.stack(state.plain.cache.k)[:, b, :, : lengths[b]], k, atol=1e-5)
+        np.testing.assert_allclose(np.stack(state.plain.cache.v)[:, b, :, : lengths[b]], v, atol=1e-5)
+        assert (aug is None) == (state.draft.aug_cache is None)
         if aug is not None:
-            assert int(state.aug_cache.lengths[b]) == lengths[b]
-            np.testing.assert_allclose(np.stack(state.aug_cache.k)[:, b, :, : lengths[b]], aug[0], atol=1e-5)
-            np.testing.assert_allclose(np.stack(state.aug_cache.v)[:, b, :, : lengths[b]], aug[1], atol=1e-5)
-        np.testing.assert_allclose(np.asarray(state.context[b]), context, atol=1e-5)
+            assert int(state.draft.aug_cache.lengths[b]) == lengths[b]
+            np.testing.assert_allclose(np.stack(state.draft.aug_cache.k)[:, b, :, : lengths[b]], aug[0], atol=1e-5)
+            np.testing.assert_allclose(np.stack(state.draft.aug_cache.v)[:, b, :, : lengths[b]], aug[1], atol=1e-5)
+        np.testing.assert_allclose(np.asarray(state.draft.context[b]), context, atol=1e-5)
 
 
 # ---------------------------------------------------------------- random heads
@@ -221,10 +232,10 @@ def test_greedy_matches_plain_with_a_draft_vocabulary(ref, fresh, method, spec, 
     roots = jnp.asarray(np.arange(16, dtype=np.int32))
     context = jnp.asarray(np.random.default_rng(0).normal(size=(16, ref.base.cfg.hidden_size)), jnp.float32)
     if isinstance(gen.tree, DynamicTree):
-        tokens, st, _ = draft_dynamic(ref.base, heads, gen.tree, context, roots, vocab=vocab)
+        tokens, st, _ = draft_with_context(ref.base, heads, gen.tree, context, roots, vocab=vocab)
         drafted = np.asarray(tokens)[np.asarray(st.valid) & (np.arange(gen.tree.num_nodes) > 0)]
     else:
-        drafted = np.asarray(draft(ref.base, heads, gen.tree, context, roots, vocab=vocab)[0])[:, 1:]
+        drafted = np.asarray(draft_with_context(ref.base, heads, gen.tree, context, roots, vocab=vocab)[0])[:, 1:]
     assert drafted.size and np.isin(drafted, np.asarray(vocab.ids)).all()
 
 
@@ -388,7 +399,7 @@ def test_dynamic_tree_matches_a_plain_python_reference(kind):
     probs = np.exp(table) / np.exp(table).sum(-1, keepdims=True)
     tree = DynamicTree(kind, n, depth, beam)
     roots = np.arange(vocab, dtype=np.int32)
-    tokens, st, draws = jax.jit(draft_dynamic, static_argnums=(0, 2))(
+    tokens, st, draws = jax.jit(draft_with_context, static_argnums=(0, 2))(
         None, heads, tree, jnp.zeros((vocab, 4)), jnp.asarray(roots))
     tokens, parents, node_depth, anc, children, valid = map(
         np.asarray, (tokens, st.parents, st.depth, st.ancestors, st.children, st.valid))
@@ -420,7 +431,7 @@ def test_sampled_dynamic_tree_draws_children_into_a_fixed_shape():
     table = np.random.default_rng(1).normal(0, 1.0, (depth, vocab, vocab))
     heads = TableHeads(ModelConfig.tiny(vocab_size=vocab), table)
     tree = DynamicTree("dynamic", 6, depth, 4)
-    run = jax.jit(draft_dynamic, static_argnums=(0, 2, 5))
+    run = jax.jit(draft_with_context, static_argnums=(0, 2, 5))
     root = jnp.full((64,), 3, jnp.int32)
     keys = jax.random.key_data(jax.random.split(jax.random.key(0), 64))
     tokens, st, draws = run(None, heads, tree, jnp.zeros((64, 4)), root, SamplingConfig(temperature=1.0), keys)
