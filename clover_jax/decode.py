@@ -186,6 +186,9 @@ class Generator:
     budget checks and compile accounting here are shared.
     """
 
+    tree = None  # the draft tree (a speculative generator's `Tree` or `DynamicTree`); None: plain decoding
+    draft_vocab = None  # the drafter's `DraftVocab` (None: the whole vocabulary, or no drafter)
+
     def __init__(self, model: Llama, *, max_len: int | None = None, buckets: Sequence[int] = BUCKETS,
                  mesh: jax.sharding.Mesh | None = None):
         self.model = model

@@ -64,6 +64,7 @@ def path_to(st: StepTree, best: jax.Array, max_depth: int) -> jax.Array:
 
 
 def _root(root: jax.Array, lengths: jax.Array, slots: int) -> Frontier:
+    """The first level: the root alone, in slot 0 of `slots`, at position `lengths`."""
     b = root.shape[0]
     zeros = jnp.zeros((b, 1), jnp.int32)
     root_only = jnp.zeros((1, 1, slots), bool).at[..., 0].set(True)

@@ -193,7 +193,7 @@ class Tally:
 
     def line(self, method: str, generator: Generator) -> str:
         tau = self.new_tokens / max(self.seq_steps, 1)
-        tree = getattr(generator, "tree", None)
+        tree = generator.tree
         shape = "" if tree is None else f" tree={tree.num_nodes} nodes, depth {tree.max_depth}"
         if tree is not None:
             vocab = generator.draft_vocab

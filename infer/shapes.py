@@ -96,7 +96,7 @@ def shape_step_times(shape: str, layers: int | None, configs: list[tuple[str, st
         out[label(method, tree, draft_vocab=dv)] = dict(
             step_ms=1e3 * (statistics.median(whole) - statistics.median(alone)) / loop_steps,
             prefill_ms=1e3 * statistics.median(alone), loop_steps=loop_steps, compile_s=compile_s,
-            tree_nodes=getattr(getattr(gen, "tree", None), "num_nodes", 1), draft_vocab_size=size)
+            tree_nodes=gen.tree.num_nodes if gen.tree else 1, draft_vocab_size=size)
         del gen
     return dict(shape=shape, layers=cfg.num_layers, batch_size=batch_size, weight_bytes=weight_bytes(model),
                 methods=out)

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from clover_jax import methods
 from clover_jax.cache import causal_mask
 from clover_jax.config import ModelConfig
 from clover_jax.errors import CloverError
-from clover_jax import methods
 from clover_jax.heads import HeadsConfig, make_heads, token_embeddings
 from clover_jax.layers import to_stored
 from clover_jax.model import Llama, causal_self_mask

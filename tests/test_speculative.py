@@ -15,21 +15,20 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from clover_jax import methods
 from clover_jax.cache import KVCache
 from clover_jax.config import ModelConfig
 from clover_jax.decode import Generator, prefill
 from clover_jax.draft_vocab import DraftVocab
+from clover_jax.drafter import Committed
+from clover_jax.drafting import StepTree
 from clover_jax.errors import CloverError
-from clover_jax import methods
 from clover_jax.heads import Heads, HeadsConfig, make_heads
 from clover_jax.model import Llama
 from clover_jax.sampling import SamplingConfig
-from clover_jax.drafter import Committed
-from clover_jax.drafting import StepTree, draft_tree
-from clover_jax.heads import HeadsState
 from clover_jax.speculative import SpeculativeGenerator, accept_greedy, compact
 from clover_jax.tree import DynamicTree, Tree, chain, resolve_tree
-from conftest import TableHeads, assert_one_line
+from conftest import TableHeads, assert_one_line, draft_with_context
 
 PROMPTS = [[1, 7, 8, 9], [1, 3, 4, 22, 23, 24, 25, 60], [1, 2], [9] * 11]
 EOS_ROW = 2  # the prompt whose greedy continuation is cut by EOS mid-way
@@ -42,14 +41,6 @@ PREFILL_LEN = 48  # >= longest prompt + MAX_NEW + FREE_EXTRA
 # (None), and the two dynamic trees. Batch-1 cases keep the compile count (and the file's run time) down.
 CASES = [("chain:3", 4), ("widths:4,2", 1), (None, 4), ("dynamic:8", 4), ("eagle2:10", 1)]
 SEED = 1
-
-
-def draft_with_context(base, heads, tree, context, roots, sampling=SamplingConfig(), keys=None, vocab=None):
-    """(tokens [B, N], StepTree, draws) of the tree `heads` draft from their context state [B, D] at the
-    last committed position (no Augmenting Block cache: drafting does not read it)."""
-    state = HeadsState(aug_cache=None, context=context)
-    drafted, _ = draft_tree(base, heads, state, tree, roots, jnp.zeros(roots.shape, jnp.int32), sampling, keys, vocab)
-    return drafted.tokens, drafted.tree, drafted.draws
 
 
 def perturb(heads: Heads, seed: int, scale: float = 0.02) -> Heads:
