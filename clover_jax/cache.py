@@ -72,9 +72,10 @@ def causal_mask(lengths: jax.Array, num_new: int, max_len: int) -> jax.Array:
 
 
 def tree_mask(lengths: jax.Array, ancestor_mask: jax.Array, max_len: int) -> jax.Array:
-    """[B, N, S] mask for a tree of N nodes written after `lengths[b]` committed tokens: each node reads
-    the committed prefix and its own ancestors (itself included), given by `ancestor_mask` [N, N] or
-    [1, N, N] (one tree for the batch) or [B, N, N] (a tree per sequence)."""
+    """[B, F, S] mask for F nodes of a tree of N slots written after `lengths[b]` committed tokens: each
+    node reads the committed prefix and its own ancestors (itself included), given by `ancestor_mask`
+    [F, N] or [1, F, N] (one tree for the batch) or [B, F, N] (a tree per sequence); F = N when the
+    whole tree is verified, fewer when a drafter runs one level of it."""
     if ancestor_mask.ndim == 3 and ancestor_mask.shape[0] == 1:
         ancestor_mask = ancestor_mask[0]
     b, n = lengths.shape[0], ancestor_mask.shape[-1]
@@ -85,5 +86,6 @@ def tree_mask(lengths: jax.Array, ancestor_mask: jax.Array, max_len: int) -> jax
     if ancestor_mask.ndim == 2:
         anc = jnp.transpose(jnp.take(ancestor_mask, idx, axis=1), (1, 0, 2))  # [B, N, S]
     else:
-        anc = jnp.take_along_axis(ancestor_mask, jnp.broadcast_to(idx[:, None, :], (b, n, max_len)), axis=2)
+        rows = ancestor_mask.shape[1]
+        anc = jnp.take_along_axis(ancestor_mask, jnp.broadcast_to(idx[:, None, :], (b, rows, max_len)), axis=2)
     return (rel < 0)[:, None, :] | (in_tree[:, None, :] & anc)

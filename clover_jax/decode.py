@@ -21,7 +21,7 @@ from jax.experimental import io_callback
 
 from clover_jax.cache import KVCache, causal_mask
 from clover_jax.errors import CloverError
-from clover_jax.model import Llama
+from clover_jax.model import Llama, ModelOutput
 from clover_jax.sampling import SamplingConfig, sample, step_keys
 from clover_jax.sharding import batch_split, constrain_cache, put_batch, replicate, shard_module
 
@@ -42,37 +42,54 @@ class DecodeState:
     step: jax.Array  # [] steps taken (forward passes after the prefill)
 
     def record(self, new: jax.Array, budgets: jax.Array, eos_ids: tuple[int, ...]) -> "DecodeState":
-        """Append token `new` [B] to every unfinished sequence and update `done`."""
+        """Append token `new` [B] to every unfinished sequence (it becomes `last`) and update `done`."""
         live = ~self.done
-        b = jnp.arange(new.shape[0])
-        col = jnp.minimum(self.num_new, self.tokens.shape[1] - 1)
-        tokens = self.tokens.at[b, col].set(jnp.where(live, new, self.tokens[b, col]))
-        num_new = self.num_new + live
-        hit_eos = jnp.isin(new, jnp.asarray(eos_ids, jnp.int32)) if eos_ids else jnp.zeros_like(live)
+        appended = self.append(new[:, None], jnp.ones_like(self.num_new), budgets, eos_ids)
+        return appended.replace(last=jnp.where(live, new, self.last))
+
+    def append(self, new: jax.Array, count: jax.Array, budgets, eos_ids: tuple[int, ...]) -> "DecodeState":
+        """Append new[b, :count[b]] to each live sequence, cut at its first EOS and at its budget."""
+        b, t = new.shape
+        j = jnp.arange(t)[None, :]
+        live = ~self.done
+        if eos_ids:
+            is_eos = jnp.isin(new, jnp.asarray(eos_ids, jnp.int32)) & (j < count[:, None])
+            first = jnp.where(is_eos.any(-1), jnp.argmax(is_eos, -1) + 1, t + 1)
+            count = jnp.minimum(count, first)
+            hit_eos = first <= t
+        else:
+            hit_eos = jnp.zeros((b,), bool)
+        count = jnp.where(live, jnp.minimum(count, budgets - self.num_new), 0)
+        cols = jnp.where(j < count[:, None], self.num_new[:, None] + j, self.tokens.shape[1])
+        tokens = self.tokens.at[jnp.arange(b)[:, None], cols].set(new, mode="drop")
+        num_new = self.num_new + count
         done = self.done | (live & hit_eos) | (num_new >= budgets)
-        return self.replace(tokens=tokens, num_new=num_new, last=jnp.where(live, new, self.last), done=done)
+        return self.replace(tokens=tokens, num_new=num_new, done=done)
 
 
-def prefill(model: Llama, prompts: jax.Array, prompt_lens: jax.Array, cache_len: int, mesh=None):
-    """Run the padded prompts [B, P] through the model; returns (cache with lengths = prompt_lens,
-    hidden [B, P, D] and normed hidden [B, P, D] of every position, logits [B, V] at each prompt's
-    last token). Logits are projected at that one position only. With a mesh, the cache is sharded."""
+def prefill(model: Llama, prompts: jax.Array, prompt_lens: jax.Array, cache_len: int, mesh=None,
+            feature_layers: tuple[int, ...] = ()) -> tuple[ModelOutput, jax.Array]:
+    """Run the padded prompts [B, P] through the model; returns (its output: cache with lengths =
+    prompt_lens, hidden, normed hidden [B, P, D] and the `feature_layers` outputs [B, P, F, D] of every
+    position, no logits; logits [B, V] at each prompt's last token, the one position projected). With a
+    mesh, the cache is sharded."""
     b, p = prompts.shape
     cache = constrain_cache(model.init_cache(b, cache_len), mesh)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    out = model(prompts, positions, causal_mask(cache.lengths, p, cache_len), cache, with_logits=False)
+    out = model(prompts, positions, causal_mask(cache.lengths, p, cache_len), cache, with_logits=False,
+                feature_layers=feature_layers)
     last = (prompt_lens - 1)[:, None, None]
     normed_last = jnp.take_along_axis(out.hidden_normed, last, axis=1)[:, 0]
-    return out.cache.advance(prompt_lens), out.hidden, out.hidden_normed, model.logits(normed_last)
+    return out.replace(cache=out.cache.advance(prompt_lens)), model.logits(normed_last)
 
 
 def start_plain(model: Llama, prompts, prompt_lens, budgets, keys, *, sampling: SamplingConfig,
                 eos_ids: tuple[int, ...], max_new: int, cache_len: int, mesh=None) -> DecodeState:
     """The prefill: the prompts in the cache and each sequence's first token recorded."""
     b = prompts.shape[0]
-    cache, _, _, logits = prefill(model, prompts, prompt_lens, cache_len, mesh)
+    out, logits = prefill(model, prompts, prompt_lens, cache_len, mesh)
     state = DecodeState(
-        cache=cache, tokens=jnp.zeros((b, max_new), jnp.int32), num_new=jnp.zeros((b,), jnp.int32),
+        cache=out.cache, tokens=jnp.zeros((b, max_new), jnp.int32), num_new=jnp.zeros((b,), jnp.int32),
         last=jnp.zeros((b,), jnp.int32), done=budgets <= 0, finite=jnp.isfinite(logits).all(-1),
         keys=keys, step=jnp.zeros((), jnp.int32))
     return state.record(sample(logits, step_keys(keys, 0), sampling), budgets, eos_ids)
@@ -169,6 +186,9 @@ class Generator:
     budget checks and compile accounting here are shared.
     """
 
+    tree = None  # the draft tree (a speculative generator's `Tree` or `DynamicTree`); None: plain decoding
+    draft_vocab = None  # the drafter's `DraftVocab` (None: the whole vocabulary, or no drafter)
+
     def __init__(self, model: Llama, *, max_len: int | None = None, buckets: Sequence[int] = BUCKETS,
                  mesh: jax.sharding.Mesh | None = None):
         self.model = model
@@ -195,6 +215,11 @@ class Generator:
     def _slack(self) -> int:
         """Cache slots needed past the last kept token (a speculative step writes a whole tree)."""
         return 0
+
+    def statistics(self, state) -> tuple[DecodeState, np.ndarray, np.ndarray | None]:
+        """(the program's final `DecodeState`, forward passes per sequence [B], steps that accepted d
+        drafted tokens [B, D+1] or None): one token per pass here."""
+        return state, to_host(state.num_new), None
 
     def prepare(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                 sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
@@ -306,14 +331,12 @@ class Generator:
         run_s = time.perf_counter() - t0
         if self._listener_error is not None:
             raise self._listener_error
-        if not bool(np.all(to_host(state.finite))):
+        plain, seq_steps, hist = self.statistics(state)
+        if not bool(np.all(to_host(plain.finite))):
             raise CloverError("the model produced non-finite logits (NaN/Inf); check the weights, or try --dtype float32")
-        num = to_host(state.num_new)[:rows]
-        toks = to_host(state.tokens)
+        num = to_host(plain.num_new)[:rows]
+        toks = to_host(plain.tokens)
         tokens = [toks[i, : num[i]].tolist() for i in range(rows)]
-        hist = to_host(state.accept_hist)[:rows] if hasattr(state, "accept_hist") else None
-        # The prefill's forward pass yields each sequence's first token.
-        seq_steps = (np.where(num > 0, hist.sum(-1) + 1, 0).tolist() if hist is not None
-                     else [len(t) for t in tokens])
-        return GenerationOutput(tokens=tokens, steps=int(to_host(state.step)) + 1, compile_seconds=compile_s,
-                                run_seconds=run_s, sequence_steps=seq_steps, accept_hist=hist, state=state)
+        return GenerationOutput(tokens=tokens, steps=int(to_host(plain.step)) + 1, compile_seconds=compile_s,
+                                run_seconds=run_s, sequence_steps=np.asarray(seq_steps)[:rows].tolist(),
+                                accept_hist=None if hist is None else hist[:rows], state=state)

@@ -1,4 +1,4 @@
-"""Draft heads: Medusa, Clover and Clover-2, behind one small interface the engine drafts through.
+"""Draft heads: Medusa, Clover and Clover-2, drafters (`drafter.Drafter`) built on three questions.
 
 Every head family answers three questions (k = depth of a tree node, 0 for the root):
 - `context`: per-position context states from the base model's hidden states (and, for Clover-2, the
@@ -7,7 +7,9 @@ Every head family answers three questions (k = depth of a tree node, 0 for the r
   parent's state (the root's parent state is the context) - the Regressive Connection;
 - `node_hidden(k, state, token)`: the vector [.., D] the base model's frozen `lm_head` turns into
   logits over the node's children (`node_logits`); Clover-2's distillation loss reads it.
-Medusa ignores tokens (`token_dependent = False`), so the engine computes its logits once per depth.
+`init`/`commit`/`expand` (the drafter interface) are built on them here: the state is the Augmenting
+Block's cache and the context at the last committed position, a node's carry is its state. Medusa
+ignores tokens (`token_dependent = False`), so its `expand` computes one distribution per depth.
 The architectures and initialisations are SPEC section 2's; where the papers leave a detail open, the
 choice follows the authors' code and is said in the docstring.
 """
@@ -16,19 +18,19 @@ from __future__ import annotations
 
 import dataclasses
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from clover_jax.cache import KVCache
+from clover_jax.cache import KVCache, causal_mask
 from clover_jax.config import ModelConfig
 from clover_jax.draft_vocab import DraftVocab
+from clover_jax.drafter import Committed, Drafter, Frontier
 from clover_jax.errors import CloverError
 from clover_jax.layers import DecoderLayer, Linear, RMSNorm
 from clover_jax.model import Llama
-
-METHODS = ("medusa", "clover", "clover2")
-DEFAULT_NUM_HEADS = {"medusa": 4, "clover": 3, "clover2": 5}
+from clover_jax.sharding import constrain_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +43,9 @@ class HeadsConfig:
     noise: float = 0.01  # scale of the uniform noise added to identity initialisations
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise CloverError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        from clover_jax import methods  # the registry names these classes: imported late
+
+        methods.get(self.method)
         if self.num_heads < 1:
             raise CloverError(f"num_heads={self.num_heads} must be >= 1")
         if self.embed_source not in ("lm_head", "input"):
@@ -50,7 +53,9 @@ class HeadsConfig:
 
     @property
     def aug_layers(self) -> int:
-        return {"medusa": 0, "clover": 1, "clover2": 2}[self.method]
+        from clover_jax import methods
+
+        return methods.get(self.method).aug_layers
 
 
 def _eye_plus_uniform(key, n: int, m: int, noise: float, dtype) -> jax.Array:
@@ -83,19 +88,28 @@ class ResBlock(nnx.Module):
         return x + jax.nn.silu(self.linear(x))
 
 
-def token_embeddings(base: Llama, source: str, normalise: bool) -> jax.Array:
-    """[V, D] token embeddings the heads read (frozen): lm_head rows (Clover normalises them) or the
-    input embedding table."""
+def token_embeddings(base: Llama, source: str, normalise: bool, tokens: jax.Array | None = None) -> jax.Array:
+    """Token embeddings the heads read (frozen): lm_head rows (Clover normalises them) or the input
+    embedding table; [V, D], or [..., D] the rows of `tokens` [...]. The rows are gathered before they
+    are normalised (each row on its own), so a draft level normalises its nodes' rows, not all V."""
     table = base.lm_head_weight() if source == "lm_head" else base.embed_tokens.embedding[...]
-    table = jax.lax.stop_gradient(table)
+    table = jax.lax.stop_gradient(table if tokens is None else jnp.take(table, tokens, axis=0))
     if normalise:
         tf = table.astype(jnp.float32)
         table = (tf / (jnp.linalg.norm(tf, axis=-1, keepdims=True) + 1e-6)).astype(table.dtype)
     return table
 
 
-class Heads(nnx.Module):
-    """Shared plumbing; subclasses define the three questions above."""
+@flax.struct.dataclass
+class HeadsState:
+    """The heads' drafting state between steps."""
+
+    aug_cache: KVCache | None  # the Augmenting Block's own cache (None for Medusa)
+    context: jax.Array  # [B, D] the context state at the last committed position
+
+
+class Heads(nnx.Module, Drafter):
+    """Shared plumbing and the drafter interface; subclasses define the three questions above."""
 
     token_dependent = True
 
@@ -108,6 +122,34 @@ class Heads(nnx.Module):
     def num_heads(self) -> int:
         """K: the deepest tree these heads can draft."""
         return self.hcfg.num_heads
+
+    def init(self, base: Llama, batch: int, cache_len: int, mesh=None) -> HeadsState:
+        """Empty state: no committed position yet."""
+        aug = constrain_cache(self.init_aug_cache(batch, cache_len, base.dtype), mesh)
+        return HeadsState(aug_cache=aug, context=jnp.zeros((batch, self.base_cfg.hidden_size), base.dtype))
+
+    def commit(self, base: Llama, state: HeadsState, new: Committed, count, live) -> HeadsState:
+        """The context over the T new positions (the Augmenting Block causal over its cache, written
+        after each sequence's length); live sequences advance by count and keep the context at their
+        last new position, the others stay as they were."""
+        aug = state.aug_cache
+        t = new.tokens.shape[1]
+        positions = mask = None
+        if aug is not None:
+            positions = aug.lengths[:, None] + jnp.arange(t)[None, :]
+            mask = causal_mask(aug.lengths, t, aug.max_len)
+        ctx, aug = self.context(base, new.hidden, new.hidden_normed, new.tokens, positions, mask, aug)
+        if aug is not None:
+            aug = aug.advance(jnp.where(live, count, 0))
+        last = jnp.take_along_axis(ctx, (count - 1)[:, None, None], axis=1)[:, 0]
+        return HeadsState(aug_cache=aug, context=jnp.where(live[:, None], last, state.context))
+
+    def expand(self, base: Llama, state: HeadsState, frontier: Frontier, vocab: DraftVocab | None = None):
+        """Each frontier node's state from its parent's (the context at the root) and its token, and
+        the logits over its children; the carry is the node's state."""
+        parent = state.context[:, None] if frontier.carry is None else frontier.carry
+        node = self.node_state(base, frontier.depth, parent, frontier.tokens)
+        return self.node_logits(base, frontier.depth, node, frontier.tokens, vocab), node, state
 
     def init_aug_cache(self, batch: int, max_len: int, dtype) -> KVCache | None:
         """An empty KV cache for the Augmenting Block, or None for heads without one (Medusa)."""
@@ -180,6 +222,10 @@ class MedusaHeads(Heads):
     def node_hidden(self, base, k, state, token):
         return self.blocks[k](state)
 
+    def expand(self, base, state, frontier, vocab=None):
+        """One distribution per depth, from the context alone: [B, 1, V], no carry."""
+        return self.node_logits(base, frontier.depth, state.context, None, vocab)[:, None], None, state
+
 
 class CloverAttentionDecoder(nnx.Module):
     """Clover's Attention Decoder: q = W_Q norm(h), k = W_K e, v = W_V e, h + Attn(q, k, v).
@@ -198,11 +244,11 @@ class CloverAttentionDecoder(nnx.Module):
         self.q.kernel[...] = _eye_plus_uniform(rngs.params(), d, d, noise, dtype)
         self.k.kernel[...] = _eye_plus_uniform(rngs.params(), d, d, noise, dtype)
         self.v.kernel[...] = jnp.zeros((d, d), dtype)
-        self.num_heads = _gate_heads(cfg)
+        self.attn_heads = _gate_heads(cfg)
 
     def __call__(self, h, e):
         q, k, v = self.q(self.norm(h)), self.k(e), self.v(e)
-        split = lambda x: x.reshape(*x.shape[:-1], self.num_heads, -1)
+        split = lambda x: x.reshape(*x.shape[:-1], self.attn_heads, -1)
         score = jnp.sum(split(q) * split(k), axis=-1, keepdims=True) / jnp.sqrt(split(q).shape[-1])
         weight = jax.nn.softmax(score[..., None], axis=-1)[..., 0]  # one key per query: exactly 1
         return h + (split(v) * weight.astype(v.dtype)).reshape(h.shape)
@@ -224,7 +270,7 @@ class CloverHeads(Heads):
         return self.run_aug(hidden, positions, mask, cache)
 
     def node_state(self, base, k, state, token):
-        e = jnp.take(token_embeddings(base, "lm_head", True), token, axis=0).astype(state.dtype)
+        e = token_embeddings(base, "lm_head", True, token).astype(state.dtype)
         return self.decoder(state, e)
 
     def node_hidden(self, base, k, state, token):
@@ -245,10 +291,10 @@ class GateDecoder(nnx.Module):
         self.q.kernel[...] = _eye_plus_uniform(rngs.params(), d, d, noise, dtype)
         self.k.kernel[...] = _eye_plus_uniform(rngs.params(), d, d, noise, dtype)
         self.v.kernel[...] = (noise * jax.random.uniform(rngs.params(), (d, d), dtype)).astype(dtype)
-        self.num_heads = _gate_heads(cfg)
+        self.attn_heads = _gate_heads(cfg)
 
     def __call__(self, x, e):
-        split = lambda t: t.reshape(*t.shape[:-1], self.num_heads, -1).astype(jnp.float32)
+        split = lambda t: t.reshape(*t.shape[:-1], self.attn_heads, -1).astype(jnp.float32)
         q, k, v = split(self.q(self.norm(x))), split(self.k(e)), split(self.v(e))
         # Each norm clamped at eps as torch.cosine_similarity does; sqrt of a clamped square keeps the
         # gradient finite at a zero vector (padding rows), where d|x|/dx is 0/0.
@@ -281,7 +327,7 @@ class Clover2Heads(Heads):
         self.w2.kernel[...] = _eye_plus_uniform(rngs.params(), 2 * d, d, hcfg.noise, dtype)
 
     def _embed(self, base, token, dtype):
-        return jnp.take(token_embeddings(base, self.hcfg.embed_source, False), token, axis=0).astype(dtype)
+        return token_embeddings(base, self.hcfg.embed_source, False, token).astype(dtype)
 
     def context(self, base, hidden, hidden_normed, next_tokens, positions, mask, cache):
         x = self.decoder_in(hidden, self._embed(base, next_tokens, hidden.dtype))
@@ -299,9 +345,9 @@ class Clover2Heads(Heads):
         return self.head_norm(self.w2(jnp.concatenate([state, e], axis=-1)))
 
 
-HEAD_CLASSES = {"medusa": MedusaHeads, "clover": CloverHeads, "clover2": Clover2Heads}
-
-
 def make_heads(hcfg: HeadsConfig, base: Llama, seed: int = 0) -> Heads:
-    """Freshly initialised heads for `base` (the Augmenting Block copied from its last layer)."""
-    return HEAD_CLASSES[hcfg.method](hcfg, base, rngs=nnx.Rngs(seed))
+    """Freshly initialised heads for `base` (the Augmenting Block copied from its last layer), of the
+    class the method registry names."""
+    from clover_jax import methods
+
+    return methods.get(hcfg.method).drafter(hcfg, base, rngs=nnx.Rngs(seed))

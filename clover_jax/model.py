@@ -25,6 +25,7 @@ class ModelOutput:
     hidden: jax.Array  # [B, T, D] last layer's output, before the final norm
     hidden_normed: jax.Array  # [B, T, D] after the final norm (what lm_head reads)
     cache: KVCache | None
+    features: jax.Array | None = None  # [B, T, F, D] outputs of the F `feature_layers` asked for (else None)
 
 
 class Llama(nnx.Module):
@@ -55,20 +56,35 @@ class Llama(nnx.Module):
         return self.lm_head.kernel[...].T
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, mask: jax.Array,
-                 cache: KVCache | None = None, with_logits: bool = True) -> ModelOutput:
+                 cache: KVCache | None = None, with_logits: bool = True,
+                 feature_layers: tuple[int, ...] = ()) -> ModelOutput:
         """tokens, positions [B, T]; mask [B, T, S] over cache slots (or [B, T, T] without a cache).
-        `with_logits=False` skips the [B, T, V] projection when only a few positions need it."""
+        `with_logits=False` skips the [B, T, V] projection when only a few positions need it.
+        `feature_layers` (static; Python indices, -1 the last layer): the decoder layers whose outputs
+        come back as `features`, from this same pass (EAGLE-3 fuses a low, a middle and a high one)."""
+        wanted = [i % len(self.layers) for i in feature_layers]
         x = self.embed_tokens(tokens, self.dtype)
+        kept = {}
         for i, layer in enumerate(self.layers):
             x, cache = layer(x, positions, mask, cache, i)
+            if i in wanted:
+                kept[i] = x
         normed = self.norm(x)
         logits = self.logits(normed) if with_logits else None
-        return ModelOutput(logits=logits, hidden=x, hidden_normed=normed, cache=cache)
+        features = jnp.stack([kept[i] for i in wanted], axis=2) if wanted else None
+        return ModelOutput(logits=logits, hidden=x, hidden_normed=normed, cache=cache, features=features)
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty KV cache for `batch` sequences of `max_len` slots."""
         c = self.cfg
         return KVCache.zeros(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim, self.dtype)
+
+
+def low_mid_high(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's three feature layers of an L-layer model: the third, the middle and the third from
+    the top (the authors' code reads HF hidden_states 3, L // 2 + 1 and L - 2, layer outputs 2, L // 2
+    and L - 3), clamped into the model for the tiny ones tests build."""
+    return tuple(min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3))
 
 
 def causal_self_mask(batch: int, length: int) -> jax.Array:

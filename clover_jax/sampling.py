@@ -83,6 +83,20 @@ def step_keys(keys: jax.Array, step: jax.Array) -> jax.Array:
     return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
 
 
+# What a speculative step's key is used for; `use_keys` folds one of these in first, then the indices.
+DRAW, ACCEPT, BONUS = 0, 1, 2
+
+
+def use_keys(keys: jax.Array, use: int, *index) -> jax.Array:
+    """Per-sequence keys [B, 2] for one use of a step's keys [B, 2] (`DRAW` a depth's children, `ACCEPT`
+    the test of child r at depth d, `BONUS` the bonus token), one fold per index: distinct uses and
+    indices give distinct keys however many children a level has (a single salted integer such as
+    1000 d + r would repeat once r reaches 1000)."""
+    for tag in (use, *index):
+        keys = step_keys(keys, tag)
+    return keys
+
+
 def draw_without_replacement(q: jax.Array, keys: jax.Array, k: int) -> jax.Array:
     """k draws without replacement from each row of q [B, ..., V], in draw order (Gumbel top-k), with
     per-sequence keys [B, 2]: indices [B, ..., k]."""

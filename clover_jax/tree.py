@@ -1,5 +1,5 @@
 """Tree topology for speculative decoding: static trees as host-side NumPy constants built once, and
-the settings of a dynamic tree (chosen per step under a fixed node budget; drafted in speculative.py).
+the settings of a dynamic tree (chosen per step under a fixed node budget; drafted in drafting.py).
 
 A tree is written as Medusa and EAGLE write it: a list of paths, each path the sequence of child ranks
 from the root (rank r = the r-th best candidate of the parent's draft distribution), e.g.
@@ -20,6 +20,7 @@ import os
 import jax
 import numpy as np
 
+from clover_jax import methods
 from clover_jax.errors import CloverError
 
 # The ancestor mask is N x N and the verifier runs all N nodes in one forward: past this it is no tree
@@ -45,10 +46,6 @@ EAGLE_MC_SIM_7B_63 = (
 )  # fmt: skip
 
 NAMED_TREES = {"medusa_mc_sim_7b_63": MEDUSA_MC_SIM_7B_63, "eagle_mc_sim_7b_63": EAGLE_MC_SIM_7B_63}
-# Head count and paper tree per method; `mc_sim_7b_63` means the tree each method's own code uses.
-METHOD_HEADS = {"medusa": 4, "clover": 3, "clover2": 5}
-METHOD_TREE = {"medusa": "medusa_mc_sim_7b_63", "clover": "medusa_mc_sim_7b_63",
-               "clover2": "eagle_mc_sim_7b_63"}  # fmt: skip
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
@@ -84,6 +81,11 @@ class Tree:
     def max_depth(self) -> int:
         """D: the most draft tokens one step can accept (the heads it needs)."""
         return len(self.depth_nodes)
+
+    @property
+    def draft_slots(self) -> int:
+        """S: the draft slots a drafter's own cache needs past the prefix (one per node)."""
+        return self.num_nodes
 
     @property
     def num_leaves(self) -> int:
@@ -273,6 +275,11 @@ class DynamicTree:
         """Candidate nodes drafted per step (D x W), of which num_nodes - 1 are verified."""
         return self.max_depth * self.beam
 
+    @property
+    def draft_slots(self) -> int:
+        """S: the draft slots a drafter's own cache needs past the prefix: the root and every candidate."""
+        return 1 + self.candidates
+
     def __str__(self) -> str:
         return f"{self.kind}:{self.num_nodes},{self.beam}"
 
@@ -301,8 +308,7 @@ def resolve_tree(spec, method: str, num_heads: int) -> Tree:
     of paths as a string, a JSON file path, a list of paths, a Tree, or a dynamic tree
     "dynamic:N[,W]" / "eagle2:N[,W]" (a DynamicTree of depth num_heads).
     """
-    if method not in METHOD_TREE:
-        raise CloverError(f"unknown method {method!r}: use one of {', '.join(METHOD_TREE)}")
+    paper = methods.get(method).tree  # what `mc_sim_7b_63` means: the tree the method's own code uses
     heads = _positive(num_heads, "num_heads")
     if isinstance(spec, Tree):
         return Tree.from_paths(spec.paths, heads)
@@ -311,7 +317,7 @@ def resolve_tree(spec, method: str, num_heads: int) -> Tree:
             raise CloverError(f"dynamic tree of depth {spec.max_depth} needs more than the {heads} draft heads")
         return spec
     if spec is None or isinstance(spec, (list, tuple)):
-        return _named(METHOD_TREE[method], heads) if spec is None else Tree.from_paths(spec, heads)
+        return _named(paper, heads) if spec is None else Tree.from_paths(spec, heads)
     if not isinstance(spec, str):
         raise CloverError(f"a tree spec must be a string, a list of paths or None, got {type(spec).__name__}")
     s = spec.strip()
@@ -319,7 +325,7 @@ def resolve_tree(spec, method: str, num_heads: int) -> Tree:
     if kind in DYNAMIC_KINDS:
         return DynamicTree.parse(kind, arg, heads)
     if s in ("default", "mc_sim_7b_63"):
-        return _named(METHOD_TREE[method], heads)
+        return _named(paper, heads)
     if s == "auto":
         return resolve_tree(auto_tree(heads), method, heads)
     if s in NAMED_TREES:
@@ -364,4 +370,4 @@ def _named(name: str, heads: int) -> Tree:
 
 # The tree each method drafts by default, cut to its head count: medusa 64 nodes (depth 4), clover 62
 # nodes (depth 3), clover2 26 nodes (depth 5).
-DEFAULT_TREES = {m: _named(METHOD_TREE[m], k) for m, k in METHOD_HEADS.items()}
+DEFAULT_TREES = {m: _named(methods.get(m).tree, methods.get(m).depth) for m in methods.SHIPPED}

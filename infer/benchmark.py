@@ -453,8 +453,7 @@ def _benchmark(args: argparse.Namespace) -> int:
                                                      Path(args.profile) / profile_folder(name), batch_size=b)
                 for (method, spec, dv), (name, gen) in zip(configs, generators.items()):
                     stats, tokens = measured[name]
-                    tree = getattr(gen, "tree", None)
-                    vocab = getattr(gen, "draft_vocab", None)
+                    tree, vocab = gen.tree, gen.draft_vocab
                     row = Row(method=method, batch_size=b, tree="" if method == "plain" else spec or "default",
                               temperature=temp, draft_vocab=dv or "", draft_vocab_size=vocab.size if vocab else 0,
                               tree_nodes=tree.num_nodes if tree else 1, **stats)

@@ -15,12 +15,13 @@ import sys
 import jax.numpy as jnp
 from tqdm import tqdm
 
+from clover_jax import methods
 from clover_jax.checkpoint import load_draft_vocab, load_heads
 from clover_jax.config import ModelConfig
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import Generator
 from clover_jax.errors import CloverError
-from clover_jax.heads import DEFAULT_NUM_HEADS, METHODS as HEAD_METHODS, HeadsConfig, make_heads
+from clover_jax.heads import HeadsConfig, make_heads
 from clover_jax.model import Llama
 from clover_jax.sampling import SamplingConfig
 from clover_jax.sharding import describe_mesh
@@ -29,7 +30,7 @@ from clover_jax.tree import resolve_tree
 from infer import cli
 from infer.conversation import answer_turns, record_turns
 
-METHODS = ("plain",) + HEAD_METHODS
+METHODS = ("plain",) + methods.SHIPPED
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 EPILOG = """\
@@ -94,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "no output; 0: the whole vocabulary; auto: the tokens making up 99.9%% of the counts "
                         "when greedy, the whole vocabulary when sampling (default: %(default)s)")
     p.add_argument("--num-heads", type=int, metavar="K",
-                   help="number of heads with --heads random (default: medusa 4, clover 3, clover2 5)")
+                   help="number of heads with --heads random (default: " + ", ".join(f"{m} {methods.get(m).depth}" for m in methods.SHIPPED) + ")")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
                    help="most tokens to generate per prompt; generation also stops at EOS (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
@@ -165,7 +166,7 @@ def make_generator(model: Llama, method: str, *, model_path, heads: str | None =
     if method == "plain":
         return Generator(model, max_len=max_len, mesh=mesh)
     if heads == "random":
-        draft = make_heads(HeadsConfig(method, num_heads or DEFAULT_NUM_HEADS[method]), model, seed=seed)
+        draft = make_heads(HeadsConfig(method, num_heads or methods.get(method).depth), model, seed=seed)
         heads_dir = None  # no token counts: auto drafts from the whole vocabulary
     else:
         shipped = cli.heads_root(model_path, cli.model_dir(model_path)) / method
@@ -195,7 +196,7 @@ class Tally:
 
     def line(self, method: str, generator: Generator) -> str:
         tau = self.new_tokens / max(self.seq_steps, 1)
-        tree = getattr(generator, "tree", None)
+        tree = generator.tree
         shape = "" if tree is None else f" tree={tree.num_nodes} nodes, depth {tree.max_depth}"
         if tree is not None:
             vocab = generator.draft_vocab

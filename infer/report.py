@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from clover_jax import methods
 from clover_jax.errors import CloverError
 from clover_jax.files import atomic_path, write_text
 
@@ -169,7 +170,9 @@ def _label_bars(ax, names: list[str], offset: float = 0.0) -> None:
     ax.axhline(1.0, color="grey", lw=0.8)
 
 
-METHOD_COLORS = {"medusa": "tab:blue", "clover": "tab:green", "clover2": "tab:red"}
+def method_color(method: str) -> str | None:
+    """A method's colour in the plots: its registry entry's (None, matplotlib's cycle, for plain and hf)."""
+    return methods.get(method).color if method in methods.names() else None
 
 
 def acceptance_curves(rows: list[Row]) -> list[tuple[str, Row]]:
@@ -226,7 +229,7 @@ def plot(rows: list[Row], out: str, shape: dict | None = None) -> None:
         for k, r in enumerate(by_task):
             speedups = [(r.per_task.get(t) or {}).get("speedup") or 0 for t in tasks]
             ax.bar(np.arange(len(tasks)) + k * width, speedups, width, label=r.name,
-                   color=METHOD_COLORS.get(r.method) if one_each else None)
+                   color=method_color(r.method) if one_each else None)
         _label_bars(ax, tasks, width * (len(by_task) - 1) / 2)
         ax.set_title(f"speedup over plain per task (batch {sizes[0]})")
         ax.legend(fontsize=7)
@@ -235,7 +238,7 @@ def plot(rows: list[Row], out: str, shape: dict | None = None) -> None:
     for name, r in curves:  # a colour per method, a marker per tree (hollow: not the default draft
         shapes = trees.setdefault(r.method, [])  # vocabulary, where it accepts otherwise), sampled rows dashed
         shapes += [r.tree] if r.tree not in shapes else []
-        axes[-1].plot(range(1, len(r.accept_per_depth) + 1), r.accept_per_depth, color=METHOD_COLORS.get(r.method),
+        axes[-1].plot(range(1, len(r.accept_per_depth) + 1), r.accept_per_depth, color=method_color(r.method),
                       marker="osD^vP*X"[shapes.index(r.tree) % 8], ls="--" if r.temperature else "-", label=name,
                       mfc="none" if name.endswith(f"dv={r.draft_vocab}") else None)
     axes[-1].set_title(f"steps accepting >= d drafted tokens (batch {sizes[0]})")

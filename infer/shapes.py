@@ -12,10 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from clover_jax import methods
 from clover_jax.config import ModelConfig
 from clover_jax.decode import Generator
 from clover_jax.draft_vocab import DraftVocab, resolve_size
-from clover_jax.heads import DEFAULT_NUM_HEADS, HeadsConfig, make_heads
+from clover_jax.heads import HeadsConfig, make_heads
 from clover_jax.model import Llama
 from clover_jax.sharding import param_sharding
 from clover_jax.speculative import SpeculativeGenerator
@@ -76,7 +77,7 @@ def shape_step_times(shape: str, layers: int | None, configs: list[tuple[str, st
         if method == "plain":
             gen = Generator(model, max_len=prompt_len + max_new, mesh=mesh)
         else:
-            heads = make_heads(HeadsConfig(method, DEFAULT_NUM_HEADS[method]), model, seed=seed)
+            heads = make_heads(HeadsConfig(method, methods.get(method).depth), model, seed=seed)
             size = resolve_size(dv, no_counts, cfg.vocab_size)  # auto: the whole vocabulary, as no counts give
             vocab = DraftVocab.most_frequent(model.lm_head_weight(), no_counts, size) if size else None
             gen = SpeculativeGenerator(model, heads, resolve_tree(tree, method, heads.num_heads),
@@ -95,7 +96,7 @@ def shape_step_times(shape: str, layers: int | None, configs: list[tuple[str, st
         out[label(method, tree, draft_vocab=dv)] = dict(
             step_ms=1e3 * (statistics.median(whole) - statistics.median(alone)) / loop_steps,
             prefill_ms=1e3 * statistics.median(alone), loop_steps=loop_steps, compile_s=compile_s,
-            tree_nodes=getattr(getattr(gen, "tree", None), "num_nodes", 1), draft_vocab_size=size)
+            tree_nodes=gen.tree.num_nodes if gen.tree else 1, draft_vocab_size=size)
         del gen
     return dict(shape=shape, layers=cfg.num_layers, batch_size=batch_size, weight_bytes=weight_bytes(model),
                 methods=out)

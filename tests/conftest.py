@@ -28,7 +28,9 @@ from transformers import (
 
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import Generator
-from clover_jax.heads import Heads, HeadsConfig
+from clover_jax.drafting import draft_tree
+from clover_jax.heads import Heads, HeadsConfig, HeadsState
+from clover_jax.sampling import SamplingConfig
 from train import tokenizer as tokenizer_lib
 
 # The tools keep compiled programs in the user's cache folder by default (--compile-cache); the suite
@@ -204,3 +206,11 @@ class TableHeads(Heads):
     def node_logits(self, base, k, state, token, vocab=None):
         logits = self.table[...][k][token]
         return logits if vocab is None else vocab.take(logits)
+
+
+def draft_with_context(base, heads, tree, context, roots, sampling=SamplingConfig(), keys=None, vocab=None):
+    """(tokens [B, N], StepTree, draws) of the tree `heads` draft from their context state [B, D] at the
+    last committed position (no Augmenting Block cache: drafting does not read it)."""
+    state = HeadsState(aug_cache=None, context=context)
+    drafted, _ = draft_tree(base, heads, state, tree, roots, jnp.zeros(roots.shape, jnp.int32), sampling, keys, vocab)
+    return drafted.tokens, drafted.tree, drafted.draws

@@ -39,7 +39,7 @@ def run(mesh_spec):
     if mesh is not None:
         kernel = base.layers[0].mlp.gate_proj.kernel.get_value()
         info = {"gate_proj": str(kernel.sharding.spec), "gate_proj_shards": len({str(s.index) for s in kernel.addressable_shards}),
-                "cache": str(out.state.cache.k[0].sharding.spec), "aug_cache": str(out.state.aug_cache.k[0].sharding.spec),
+                "cache": str(out.state.plain.cache.k[0].sharding.spec), "aug_cache": str(out.state.draft.aug_cache.k[0].sharding.spec),
                 "draft_vocab_rows": str(vocab_gen.draft_vocab.rows.sharding.spec), "mesh": describe_mesh(mesh),
                 # one prompt: filled to the batch split (data x fsdp), only its own row returned
                 "one_prompt": Generator(base, mesh=mesh).generate(PROMPTS[1:2], 8, eos_ids=()).tokens}

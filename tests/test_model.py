@@ -13,7 +13,7 @@ from flax import nnx
 
 from clover_jax.cache import causal_mask, tree_mask
 from clover_jax.config import ModelConfig, rope_inv_freq
-from clover_jax.model import Llama, causal_self_mask
+from clover_jax.model import Llama, causal_self_mask, low_mid_high
 from conftest import FAMILY_NAMES, hf_logits, random_tokens
 
 TOL = 1e-4
@@ -49,6 +49,25 @@ def test_prefill_logits_match_hf(loaded, family):
     cache = model.init_cache(2, 16)
     cached = forward(model, jnp.asarray(tokens), positions(2, 12), causal_mask(cache.lengths, 12, 16), cache)
     assert max_diff(cached.logits, want) <= TOL
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES[:1])
+def test_layer_features_match_hf(loaded, family):
+    """`feature_layers` returns the chosen layers' outputs from the same pass: HF's hidden_states[i + 1]
+    for layer i (-1: the last layer's output before the final norm, i.e. `hidden`), the other outputs
+    unchanged."""
+    hf, _, _, model = loaded(family)
+    tokens = random_tokens(2, 12, seed=3)
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens, dtype=torch.long), output_hidden_states=True).hidden_states
+    run = jax.jit(lambda g, s, t: nnx.merge(g, s)(t, positions(2, 12), causal_self_mask(2, 12), feature_layers=(0, 1, -1)))
+    out = run(*nnx.split(model), jnp.asarray(tokens))
+    plain = forward(model, jnp.asarray(tokens), positions(2, 12), causal_self_mask(2, 12))
+    assert out.features.shape == (2, 12, 3, model.cfg.hidden_size) and plain.features is None
+    assert max_diff(out.features[:, :, 0], ref[1].numpy()) <= TOL  # HF's last entry is normed: not layer 1's
+    assert max_diff(out.features[:, :, 1], out.hidden) == 0.0 and max_diff(out.features[:, :, 2], out.hidden) == 0.0
+    assert max_diff(out.logits, plain.logits) <= 1e-5  # two programs: float32 rounding apart
+    assert low_mid_high(32) == (2, 16, 29) and low_mid_high(2) == (1, 1, 0)
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)

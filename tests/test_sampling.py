@@ -5,10 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import scipy.stats
 import torch
 
 from clover_jax.errors import CloverError
-from clover_jax.sampling import SamplingConfig, distribution, sample, top_k
+from clover_jax.sampling import ACCEPT, BONUS, DRAW, SamplingConfig, distribution, sample, top_k, use_keys
 from conftest import MAX_NEW, PROMPTS, hf_logits
 
 # Probabilities [0.15, 0.5, 0.05, 0.3] (not sorted, so the top-p bookkeeping must map back).
@@ -145,3 +146,20 @@ def test_top_k_matches_lax_top_k_with_ties(k):
     want_values, want_indices = jax.lax.top_k(x, k)
     np.testing.assert_array_equal(values, want_values)
     np.testing.assert_array_equal(indices, want_indices)
+
+
+def test_keys_of_a_level_with_1000_children_are_independent():
+    """A speculative step's keys for the children tests of depths 1-2 with 1,001 children each (as
+    `widths:1001,1001` drafts), the bonus token and the depths' draws are all distinct, and the
+    uniforms drawn from them look independent: the old salt 1000 d + r gave depth 1's child 1000 the
+    key of depth 2's child 0."""
+    key = jax.random.key_data(jax.random.split(jax.random.key(0), 2))  # [B=2, 2]
+    keys = [use_keys(key, ACCEPT, d, r) for d in (1, 2) for r in range(1001)]
+    keys += [use_keys(key, BONUS)] + [use_keys(key, DRAW, d) for d in (1, 2)]
+    stacked = np.asarray(jnp.stack(keys))  # [2006, B, 2]
+    for b in range(stacked.shape[1]):
+        assert len({tuple(k) for k in stacked[:, b]}) == len(keys)
+    u = np.asarray(jax.vmap(jax.vmap(jax.random.uniform))(jnp.stack(keys[:2002])))  # [2002, B]
+    assert scipy.stats.kstest(u.ravel(), "uniform").pvalue > 1e-3
+    pairs = u[:2001:2, 0], u[1:2002:2, 0]  # neighbouring children's uniforms: uncorrelated
+    assert abs(np.corrcoef(*pairs)[0, 1]) < 0.15

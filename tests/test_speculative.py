@@ -15,18 +15,20 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from clover_jax import methods
 from clover_jax.cache import KVCache
 from clover_jax.config import ModelConfig
 from clover_jax.decode import Generator, prefill
 from clover_jax.draft_vocab import DraftVocab
+from clover_jax.drafter import Committed
+from clover_jax.drafting import StepTree
 from clover_jax.errors import CloverError
-from clover_jax.heads import DEFAULT_NUM_HEADS, Heads, HeadsConfig, make_heads
+from clover_jax.heads import Heads, HeadsConfig, make_heads
 from clover_jax.model import Llama
 from clover_jax.sampling import SamplingConfig
-from clover_jax.speculative import (SpeculativeGenerator, StepTree, accept_greedy, compact, draft, draft_dynamic,
-                                   update_context)
+from clover_jax.speculative import SpeculativeGenerator, accept_greedy, compact
 from clover_jax.tree import DynamicTree, Tree, chain, resolve_tree
-from conftest import TableHeads, assert_one_line
+from conftest import TableHeads, assert_one_line, draft_with_context
 
 PROMPTS = [[1, 7, 8, 9], [1, 3, 4, 22, 23, 24, 25, 60], [1, 2], [9] * 11]
 EOS_ROW = 2  # the prompt whose greedy continuation is cut by EOS mid-way
@@ -102,10 +104,11 @@ def fresh(ref):
     @functools.partial(jax.jit, static_argnums=0)
     def run(heads_def, params, tokens, next_tokens, length):
         base, heads = nnx.merge(base_def, params[0]), nnx.merge(heads_def, params[1])
-        cache, hidden, normed, _ = prefill(base, tokens, length, PREFILL_LEN)
-        aug = heads.init_aug_cache(1, PREFILL_LEN, base.dtype)
-        context, aug = update_context(base, heads, aug, hidden, normed, next_tokens, length)
-        return cache, aug, context[0]
+        out, _ = prefill(base, tokens, length, PREFILL_LEN)
+        state = heads.init(base, 1, PREFILL_LEN)
+        new = Committed(out.hidden, out.hidden_normed, next_tokens)
+        state = heads.commit(base, state, new, length, jnp.ones((1,), bool))
+        return out.cache, state.aug_cache, state.context[0]
 
     def get(seq, next_token, heads):
         tokens = np.zeros((1, PREFILL_LEN), np.int32)
@@ -129,7 +132,7 @@ def random_generators(ref):
 
     def get(method, spec):
         if (method, spec) not in made:
-            heads = perturb(make_heads(HeadsConfig(method, DEFAULT_NUM_HEADS[method]), ref.base, seed=3), seed=4)
+            heads = perturb(make_heads(HeadsConfig(method, methods.get(method).depth), ref.base, seed=3), seed=4)
             made[method, spec] = SpeculativeGenerator(ref.base, heads, resolve_tree(spec, method, heads.num_heads))
         return made[method, spec]
 
@@ -154,8 +157,8 @@ def check_run(out, want, prompts, budgets, ref, fresh, gen):
     state, depth = out.state, gen.tree.max_depth
     hist = np.asarray(state.accept_hist)
     np.testing.assert_array_equal(out.accept_hist, hist)
-    steps = int(state.step)
-    lengths = np.asarray(state.cache.lengths)
+    steps = int(state.plain.step)
+    lengths = np.asarray(state.plain.cache.lengths)
     assert hist.shape == (len(prompts), depth + 1)
     assert out.steps == steps + 1
     assert hist.sum(1).max() == steps
@@ -171,14 +174,14 @@ def check_run(out, want, prompts, budgets, ref, fresh, gen):
         assert lengths[b] == len(prompt) + committed[b]
         cont = ref.free[PROMPTS.index(prompt)]
         k, v, aug, context = fresh(prompt + cont[: committed[b]], cont[committed[b]], gen.heads)
-        np.testing.assert_allclose(np.stack(state.cache.k)[:, b, :, : lengths[b]], k, atol=1e-5)
-        np.testing.assert_allclose(np.stack(state.cache.v)[:, b, :, : lengths[b]], v, atol=1e-5)
-        assert (aug is None) == (state.aug_cache is None)
+        np.testing.assert_allclose(np.stack(state.plain.cache.k)[:, b, :, : lengths[b]], k, atol=1e-5)
+        np.testing.assert_allclose(np.stack(state.plain.cache.v)[:, b, :, : lengths[b]], v, atol=1e-5)
+        assert (aug is None) == (state.draft.aug_cache is None)
         if aug is not None:
-            assert int(state.aug_cache.lengths[b]) == lengths[b]
-            np.testing.assert_allclose(np.stack(state.aug_cache.k)[:, b, :, : lengths[b]], aug[0], atol=1e-5)
-            np.testing.assert_allclose(np.stack(state.aug_cache.v)[:, b, :, : lengths[b]], aug[1], atol=1e-5)
-        np.testing.assert_allclose(np.asarray(state.context[b]), context, atol=1e-5)
+            assert int(state.draft.aug_cache.lengths[b]) == lengths[b]
+            np.testing.assert_allclose(np.stack(state.draft.aug_cache.k)[:, b, :, : lengths[b]], aug[0], atol=1e-5)
+            np.testing.assert_allclose(np.stack(state.draft.aug_cache.v)[:, b, :, : lengths[b]], aug[1], atol=1e-5)
+        np.testing.assert_allclose(np.asarray(state.draft.context[b]), context, atol=1e-5)
 
 
 # ---------------------------------------------------------------- random heads
@@ -207,7 +210,7 @@ def test_greedy_matches_plain_with_a_draft_vocabulary(ref, fresh, method, spec, 
     drafted) still write exactly the plain greedy text, and every drafted token is in the subset."""
     counts = np.bincount(np.concatenate(ref.free), minlength=ref.base.cfg.vocab_size)
     vocab = DraftVocab.most_frequent(ref.base.lm_head_weight(), counts, int((counts > 0).sum()) // 2)
-    heads = perturb(make_heads(HeadsConfig(method, DEFAULT_NUM_HEADS[method]), ref.base, seed=3), seed=4)
+    heads = perturb(make_heads(HeadsConfig(method, methods.get(method).depth), ref.base, seed=3), seed=4)
     gen = SpeculativeGenerator(ref.base, heads, resolve_tree(spec, method, heads.num_heads), draft_vocab=vocab)
     rows = range(len(PROMPTS)) if batch == len(PROMPTS) else [EOS_ROW]
     prompts = [PROMPTS[i] for i in rows]
@@ -220,10 +223,10 @@ def test_greedy_matches_plain_with_a_draft_vocabulary(ref, fresh, method, spec, 
     roots = jnp.asarray(np.arange(16, dtype=np.int32))
     context = jnp.asarray(np.random.default_rng(0).normal(size=(16, ref.base.cfg.hidden_size)), jnp.float32)
     if isinstance(gen.tree, DynamicTree):
-        tokens, st, _ = draft_dynamic(ref.base, heads, gen.tree, context, roots, vocab=vocab)
+        tokens, st, _ = draft_with_context(ref.base, heads, gen.tree, context, roots, vocab=vocab)
         drafted = np.asarray(tokens)[np.asarray(st.valid) & (np.arange(gen.tree.num_nodes) > 0)]
     else:
-        drafted = np.asarray(draft(ref.base, heads, gen.tree, context, roots, vocab=vocab)[0])[:, 1:]
+        drafted = np.asarray(draft_with_context(ref.base, heads, gen.tree, context, roots, vocab=vocab)[0])[:, 1:]
     assert drafted.size and np.isin(drafted, np.asarray(vocab.ids)).all()
 
 
@@ -387,7 +390,7 @@ def test_dynamic_tree_matches_a_plain_python_reference(kind):
     probs = np.exp(table) / np.exp(table).sum(-1, keepdims=True)
     tree = DynamicTree(kind, n, depth, beam)
     roots = np.arange(vocab, dtype=np.int32)
-    tokens, st, draws = jax.jit(draft_dynamic, static_argnums=(0, 2))(
+    tokens, st, draws = jax.jit(draft_with_context, static_argnums=(0, 2))(
         None, heads, tree, jnp.zeros((vocab, 4)), jnp.asarray(roots))
     tokens, parents, node_depth, anc, children, valid = map(
         np.asarray, (tokens, st.parents, st.depth, st.ancestors, st.children, st.valid))
@@ -419,7 +422,7 @@ def test_sampled_dynamic_tree_draws_children_into_a_fixed_shape():
     table = np.random.default_rng(1).normal(0, 1.0, (depth, vocab, vocab))
     heads = TableHeads(ModelConfig.tiny(vocab_size=vocab), table)
     tree = DynamicTree("dynamic", 6, depth, 4)
-    run = jax.jit(draft_dynamic, static_argnums=(0, 2, 5))
+    run = jax.jit(draft_with_context, static_argnums=(0, 2, 5))
     root = jnp.full((64,), 3, jnp.int32)
     keys = jax.random.key_data(jax.random.split(jax.random.key(0), 64))
     tokens, st, draws = run(None, heads, tree, jnp.zeros((64, 4)), root, SamplingConfig(temperature=1.0), keys)

@@ -29,7 +29,8 @@ from safetensors.numpy import load_file
 from clover_jax.checkpoint import load_heads
 from clover_jax.convert import load_pretrained
 from clover_jax.errors import CloverError
-from clover_jax.heads import METHODS, HeadsConfig, make_heads
+from clover_jax.heads import HeadsConfig, make_heads
+from clover_jax.methods import SHIPPED as METHODS
 from clover_jax.model import causal_self_mask
 from conftest import save_tiny_llama, tiny_tokenizer
 from infer import generate

@@ -5,13 +5,13 @@ import json
 import numpy as np
 import pytest
 
+from clover_jax import methods
 from clover_jax.errors import CloverError
 from clover_jax.tree import (
     DEFAULT_TREES,
     DynamicTree,
     EAGLE_MC_SIM_7B_63,
     MEDUSA_MC_SIM_7B_63,
-    METHOD_HEADS,
     Tree,
     auto_tree,
     chain,
@@ -200,10 +200,10 @@ def test_tree_is_a_static_jit_argument():
 
 def test_default_trees():
     sizes = {"medusa": (64, 4, 42), "clover": (62, 3, 41), "clover2": (26, 5, 15)}
-    assert METHOD_HEADS == {"medusa": 4, "clover": 3, "clover2": 5}
+    assert {m: methods.get(m).depth for m in methods.SHIPPED} == {"medusa": 4, "clover": 3, "clover2": 5}
     for method, t in DEFAULT_TREES.items():
         assert (t.num_nodes, t.max_depth, t.num_leaves) == sizes[method]
-        assert t.max_depth <= METHOD_HEADS[method]
+        assert t.max_depth <= methods.get(method).depth
         _check_consistent(t)
     assert len(MEDUSA_MC_SIM_7B_63) == 63 and len(EAGLE_MC_SIM_7B_63) == 25
     assert DEFAULT_TREES["medusa"] == Tree.from_paths(MEDUSA_MC_SIM_7B_63)

@@ -79,6 +79,17 @@ def distill_loss(head_hidden: jax.Array, head_logits: jax.Array, base_normed: ja
     return jnp.sum(head_weights(k_heads) * per_head), per_head, masks, targets
 
 
+def method_cross_entropy(head_hidden, head_logits, base_normed, base_logits, tokens, loss_mask):
+    """`cross_entropy_loss` under the signature every entry of LOSSES shares."""
+    return cross_entropy_loss(head_logits, tokens, loss_mask)
+
+
+# The training losses a method's registry entry (`clover_jax.methods.Method.loss`) can name; each takes
+# (head_hidden [K, B, T, D], head_logits [K, B, T, V], base_normed [B, T, D], base_logits [B, T, V],
+# tokens [B, T], loss_mask [B, T]) and returns (loss, per-head losses [K], masks [K, B, T], targets [K, B, T]).
+LOSSES = {"cross_entropy": method_cross_entropy, "distill": distill_loss}
+
+
 def topk_accuracy(head_logits: jax.Array, targets: jax.Array, masks: jax.Array, k: int) -> jax.Array:
     """Per-head top-k accuracy [K] of the drafted token against the data's next tokens."""
     top = jax.lax.top_k(head_logits, k)[1]

@@ -24,12 +24,13 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
 
+from clover_jax import methods
 from clover_jax.checkpoint import save_heads
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import to_host
 from clover_jax.draft_vocab import token_counts
 from clover_jax.errors import CloverError
-from clover_jax.heads import DEFAULT_NUM_HEADS, METHODS, Heads, HeadsConfig, make_heads
+from clover_jax.heads import Heads, HeadsConfig, make_heads
 from clover_jax.model import Llama, causal_self_mask
 from clover_jax.sharding import onto_mesh, put_batch, shard_module
 from infer import cli
@@ -59,10 +60,8 @@ def head_loss(heads: Heads, base: Llama, batch: dict, with_hits: bool = False):
     hidden, normed, base_logits = base_states(base, tokens, batch.get("hidden"))
     head_hidden = heads.unroll(base, hidden, normed, tokens)  # [K, B, T, D]
     head_logits = base.logits(head_hidden)
-    if heads.hcfg.method == "clover2":
-        loss, per_head, masks, targets = losses.distill_loss(head_hidden, head_logits, normed, base_logits, tokens, mask)
-    else:
-        loss, per_head, masks, targets = losses.cross_entropy_loss(head_logits, tokens, mask)
+    method_loss = losses.LOSSES[methods.get(heads.hcfg.method).loss]
+    loss, per_head, masks, targets = method_loss(head_hidden, head_logits, normed, base_logits, tokens, mask)
     metrics = {"loss": loss, "head_loss": per_head,
                "top1": losses.topk_accuracy(head_logits, targets, masks, 1),
                "top5": losses.topk_accuracy(head_logits, targets, masks, 5)}
@@ -83,12 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train Medusa, Clover or Clover-2 draft heads on a frozen base model, from a dataset "
                     "made by train.make_data. Rerun with --resume to continue a killed run exactly.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--method", choices=METHODS, required=True, help="head architecture to train")
+    p.add_argument("--method", choices=methods.names(), required=True, help="head architecture to train")
     p.add_argument("--base", required=True, metavar="DIR", help="base model (Hugging Face checkpoint directory)")
     p.add_argument("--data", required=True, metavar="DIR", help="dataset directory written by train.make_data")
     p.add_argument("--out", required=True, metavar="DIR", help="where the final heads (safetensors + JSON) go")
     p.add_argument("--work-dir", metavar="DIR", help="orbax checkpoints and metrics.jsonl (default: OUT/../run-METHOD)")
-    p.add_argument("--num-heads", type=int, help="number of heads (default: medusa 4, clover 3, clover2 5)")
+    p.add_argument("--num-heads", type=int, help="number of heads (default: " + ", ".join(f"{m} {methods.get(m).depth}" for m in methods.SHIPPED) + ")")
     p.add_argument("--embed-source", choices=("lm_head", "input"), default="lm_head",
                    help="Clover-2 token embeddings: a frozen copy of lm_head, or the input embedding table")
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps (the schedule's length)")
@@ -145,7 +144,7 @@ def run(args) -> int:
         raise CloverError(f"--seq-len {args.seq_len} exceeds the base model's context "
                           f"({base.cfg.max_position_embeddings}); lower it")
     train_idx, val_idx = data.split(args.val_fraction)
-    hcfg = HeadsConfig(args.method, args.num_heads or DEFAULT_NUM_HEADS[args.method], args.embed_source)
+    hcfg = HeadsConfig(args.method, args.num_heads or methods.get(args.method).depth, args.embed_source)
     heads = make_heads(hcfg, base, seed=args.seed)
     # Float32 master weights; the forward casts them to the activations' dtype.
     nnx.update(heads, jax.tree.map(lambda x: x.astype(jnp.float32), nnx.state(heads, nnx.Param)))

@@ -1,0 +1,57 @@
+"""The one list of draft methods: per method its drafter class, default depth, default tree and loss.
+
+Every library module and tool reads this table (the heads' config validation, the default trees, the
+command-line choices, the training loss), so adding a method is one new drafter file and one
+`register` call; docs/architecture.md walks through it. A test drafter registers under its own name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from clover_jax.errors import CloverError
+from clover_jax.heads import CloverHeads, Clover2Heads, MedusaHeads
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One draft method."""
+
+    name: str
+    drafter: type  # a `heads.Heads` subclass, built as drafter(hcfg, base, rngs=...)
+    depth: int  # default number of draft heads: the deepest tree it drafts
+    tree: str  # its paper's static tree, a `tree.NAMED_TREES` name, cut to the heads' depth
+    loss: str  # its training loss, a key of `train.losses.LOSSES`
+    aug_layers: int = 0  # Augmenting Block layers (own KV cache) the drafter builds
+    color: str | None = None  # its colour in the benchmark's plots (None: matplotlib's next)
+
+
+_REGISTRY: dict[str, Method] = {}
+
+
+def register(method: Method) -> Method:
+    """Add a method (or replace one of the same name, for a test); returns it."""
+    _REGISTRY[method.name] = method
+    return method
+
+
+def get(name: str) -> Method:
+    """The method called `name`, or one error line naming the known ones."""
+    if name not in _REGISTRY:
+        raise CloverError(f"unknown method {name!r}; choose one of {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def names() -> tuple[str, ...]:
+    """Every registered method, in registration order."""
+    return tuple(_REGISTRY)
+
+
+# The shipped methods (SPEC section 2): the command-line choices, in this order.
+register(Method("medusa", MedusaHeads, depth=4, tree="medusa_mc_sim_7b_63", loss="cross_entropy",
+                color="tab:blue"))
+register(Method("clover", CloverHeads, depth=3, tree="medusa_mc_sim_7b_63", loss="cross_entropy", aug_layers=1,
+                color="tab:green"))
+register(Method("clover2", Clover2Heads, depth=5, tree="eagle_mc_sim_7b_63", loss="distill", aug_layers=2,
+                color="tab:red"))
+SHIPPED = names()
