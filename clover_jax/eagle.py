@@ -93,6 +93,8 @@ class EagleDrafter(nnx.Module, Drafter):
     (`committed_feature`), how an entry enters the layer (`entry`) and how an output is scored
     (`logits`)."""
 
+    feature_noise = 0.0  # width of the uniform noise added to target features in training
+
     def __init__(self, hcfg, base: Llama, layer: DraftLayer):
         self.hcfg = hcfg
         self.layer = layer
@@ -175,11 +177,23 @@ class EagleDrafter(nnx.Module, Drafter):
             outs.append(feature)
         return jnp.stack(outs)
 
+    def drafts(self, base: Llama, hidden, features, tokens, key=None):
+        """(outputs [K, B, T, D], logits [K, B, T, V]) of `unroll` for training; with a key, target
+        features get U(-w/2, w/2) noise, w = feature_noise."""
+        noise = None
+        if key is not None and self.feature_noise:
+            noise = self.feature_noise * (jax.random.uniform(key, hidden.shape, jnp.float32) - 0.5)
+        out = self.unroll(base, hidden, features, tokens, noise)
+        return out, self.logits(base, out)
+
 
 class Eagle(EagleDrafter):
     """EAGLE-1: x = FC([E(x_{t+1}); f_t]) (2D -> D, bias) into one decoder layer without an input norm,
     f_t the base model's last hidden state before the final norm; the output predicts f_{t+1}, scored by
-    the base model's frozen final norm and lm_head."""
+    the base model's frozen final norm and lm_head. Trained with uniform noise of width 0.2 on the
+    target features (the authors' AddUniformNoise(std=0.2) also scales it by 512 / sequence length)."""
+
+    feature_noise = 0.2
 
     def __init__(self, hcfg, base: Llama, *, rngs: nnx.Rngs):
         cfg, dtype, d = base.cfg, base.dtype, base.cfg.hidden_size

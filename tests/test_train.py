@@ -30,7 +30,7 @@ from clover_jax.checkpoint import load_heads
 from clover_jax.convert import load_pretrained
 from clover_jax.errors import CloverError
 from clover_jax.heads import HeadsConfig, make_heads
-from clover_jax.methods import SHIPPED as METHODS
+from clover_jax.methods import BUILT_IN as METHODS, SHIPPED as HEADS
 from clover_jax.model import causal_self_mask
 from conftest import save_tiny_llama, tiny_tokenizer
 from infer import generate
@@ -201,7 +201,7 @@ def test_chain_steps_start_at_the_response_and_stop_before_the_window_runs_out()
 # ---------------------------------------------------------------------------------------------------
 # Teacher forcing sees what drafting sees.
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", HEADS)  # EAGLE's draft models: tests/test_eagle.py
 def test_unroll_equals_the_decoding_path(method, loaded):
     """Entry [k, :, t] of `unroll` equals the decoding path's calls at position t: the heads' context
     (cache-free, causal) at t, computed with every token after x_{t+1} replaced so nothing later can
@@ -293,7 +293,7 @@ def _train(capsys, *args):
     return (code, *capsys.readouterr())
 
 
-DATA_OF = {"medusa": "plain", "clover": "plain", "clover2": "hidden"}
+DATA_OF = {"medusa": "plain", "clover": "plain", "clover2": "hidden", "eagle": "hidden", "eagle3": "plain"}
 
 
 @pytest.fixture(scope="module")
@@ -304,7 +304,7 @@ def trained(model_dir, datasets, tmp_path_factory):
     for method in METHODS:
         root = tmp_path_factory.mktemp(f"train-{method}")
         before = _sha256(model_dir / "model.safetensors")
-        extra = ["--val-fraction", 0.2, "--eval-batches", 1] if method == "medusa" else []
+        extra = {"medusa": ["--val-fraction", 0.2, "--eval-batches", 1], "eagle3": ["--draft-vocab", 40]}.get(method, [])
         err = io.StringIO()  # module fixtures cannot use capsys
         with contextlib.redirect_stderr(err):
             code = train.main(_argv(model_dir, datasets[DATA_OF[method]], root / "out", root / "work", method, *extra))
@@ -355,7 +355,11 @@ def test_training_lowers_the_loss_and_leaves_the_base_alone(method, trained, mod
     assert 2 * head_size <= opt_sizes <= 2 * head_size + 8  # Adam's mu and nu plus step counts
     assert base_size not in (opt_sizes, head_size)
     paths = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(restored)[0]}
-    assert not any(name in p for p in paths for name in ("embed_tokens", "'layers'", "lm_head"))
+    base_names = ("embed_tokens", "'layers'") + (() if method == "eagle3" else ("lm_head",))  # EAGLE-3 has its own
+    assert not any(name in p for p in paths for name in base_names)
+    if method == "eagle3":  # its draft vocabulary: the 40 most frequent response tokens, saved with the heads
+        counts = load_file(str(out / "token_counts.safetensors"))["counts"]
+        assert set(np.asarray(end.ids[...]).tolist()) == set(np.argsort(-counts, kind="stable")[:40].tolist())
 
 
 def test_kill_and_resume_gives_identical_heads(trained, model_dir, datasets, tmp_path, capsys, ctrl_c):
