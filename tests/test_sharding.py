@@ -21,7 +21,9 @@ HERE = Path(__file__).resolve().parent
 
 @pytest.fixture(scope="module")
 def sharded_results():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    # The checkout's own package, not whichever one is installed (a git worktree's tests would run another's).
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, str(HERE / "sharded_run.py"), "data=1,model=8", "data=2,model=4",
                            "data=8,model=1", "fsdp=2,model=4"],
                           capture_output=True, text=True, env=env, timeout=600, cwd=HERE.parent)
@@ -36,6 +38,7 @@ def test_sharded_generation_matches_one_device(sharded_results, mesh):
     assert sharded["speculative"] == one["speculative"] == one["plain"]
     assert sharded["draft_vocab"] == one["draft_vocab"] == one["plain"]
     assert sharded["streamed"] == one["streamed"] == one["plain"]  # the last step's tokens, handed to the host
+    assert sharded["eagle3"] == one["eagle3"] == one["plain"]  # a draft model with its own cache
 
 
 def test_params_and_caches_really_are_sharded(sharded_results):
@@ -43,6 +46,7 @@ def test_params_and_caches_really_are_sharded(sharded_results):
     assert r["gate_proj"] == str(PartitionSpec(None, "model")) and r["gate_proj_shards"] == 4
     assert r["cache"] == str(PartitionSpec("data", "model")) == r["aug_cache"]
     assert r["draft_vocab_rows"] == str(PartitionSpec("model", None))  # split over the vocabulary, as lm_head is
+    assert r["eagle3_cache"] == r["cache"] and r["eagle3_lm_head"] == str(PartitionSpec(None, "model"))
     assert sharded_results["fsdp=2,model=4"]["gate_proj"] == str(PartitionSpec("fsdp", "model"))
     assert sharded_results["data=8,model=1"]["cache"] == str(PartitionSpec("data"))
 
@@ -80,7 +84,7 @@ def test_two_processes_generate_the_single_process_tokens(sharded_results):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")]))
     procs = [subprocess.Popen([sys.executable, str(HERE / "multiprocess_run.py"), str(i), str(port)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=HERE.parent)
              for i in range(2)]

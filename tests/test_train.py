@@ -504,7 +504,8 @@ def test_sharded_training_matches_and_resumes_on_another_mesh(model_dir, dataset
     heads trained on a data=4,model=2 mesh equal the one-device run, and so does a run stopped on that
     mesh and resumed from its orbax checkpoint on data=2,fsdp=2,model=2. `make_data --mesh` writes the
     same data (tokens; hidden states to float16 rounding), fixed and self-distilled."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))  # this checkout's package
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "sharded_train_run.py"), str(model_dir),
