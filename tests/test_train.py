@@ -402,6 +402,25 @@ def test_kill_and_resume_gives_identical_heads(trained, model_dir, datasets, tmp
     assert "was started with method='clover2', not 'medusa'" in err
 
 
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_a_draft_model_resumes_to_identical_heads(method, trained, model_dir, datasets, tmp_path, capsys):
+    """Stopped after step 3 and resumed, EAGLE-1 (whose feature noise is drawn per step) and EAGLE-3
+    (with its draft vocabulary) export the heads of the straight run."""
+    extra = ["--draft-vocab", 40] if method == "eagle3" else []
+    out, work = tmp_path / "out", tmp_path / "work"
+    code, _, err = _train(capsys, model_dir, datasets[DATA_OF[method]], out, work, method, "--stop-after", 3, *extra)
+    assert code == 0 and "stopped at step 3" in err, err
+    code, _, err = _train(capsys, model_dir, datasets[DATA_OF[method]], out, work, method, "--resume", *extra)
+    assert code == 0 and "resumed from step 3" in err, err
+    a, b = load_file(str(trained[method][0] / "heads.safetensors")), load_file(str(out / "heads.safetensors"))
+    assert sorted(a) == sorted(b)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    if method == "eagle3":  # another draft vocabulary would change what the checkpoints hold
+        code, _, err = _train(capsys, model_dir, datasets[DATA_OF[method]], out, work, method, "--resume")
+        assert code == 2 and err.count("\n") == 1 and "was started with draft_vocab=40, not 0" in err, err
+
+
 @pytest.fixture(scope="module")
 def other_base(tok, tmp_path_factory):
     """A second tiny model with the same tokenizer and shapes but other weights."""
@@ -411,7 +430,7 @@ def other_base(tok, tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["missing dir", "empty dir", "foreign meta", "other base", "seq-len too long",
-                                  "zero steps", "out under a file", "work dir under a file"])
+                                  "zero steps", "out under a file", "work dir under a file", "draft vocab of heads"])
 def test_bad_input_is_one_error_line_and_exit_2(case, model_dir, other_base, datasets, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     (tmp_path / "foreign").mkdir()
@@ -421,6 +440,7 @@ def test_bad_input_is_one_error_line_and_exit_2(case, model_dir, other_base, dat
               "foreign meta": "not a meta.json written by train.make_data",
               "other base": "made with another base model", "seq-len too long": "exceeds the base model's context",
               "zero steps": "--steps must be >= 1",
+              "draft vocab of heads": "--draft-vocab is EAGLE-3's own lm_head; clover drafts from the base model's",
               "out under a file": f"--out: cannot create the folder {tmp_path / 'a-file' / 'heads'}: "
                                   f"{tmp_path / 'a-file'} is a file",
               "work dir under a file": f"--work-dir: cannot create the folder {tmp_path / 'a-file' / 'work'}: "
@@ -438,6 +458,8 @@ def test_bad_input_is_one_error_line_and_exit_2(case, model_dir, other_base, dat
         extra = ["--seq-len", 65]
     elif case == "zero steps":
         extra = ["--steps", 0]
+    elif case == "draft vocab of heads":
+        extra = ["--draft-vocab", 8]
     elif case == "out under a file":
         (tmp_path / "a-file").write_text("")
         out = tmp_path / "a-file" / "heads"  # refused before any training, not when the heads are saved
