@@ -21,6 +21,7 @@ from safetensors.numpy import load_file
 
 from clover_jax.convert import write_safetensors
 from clover_jax.draft_vocab import DraftVocab, resolve_size
+from clover_jax.eagle import DraftIds
 from clover_jax.errors import CloverError
 from clover_jax.files import write_text
 from clover_jax.heads import Heads, HeadsConfig, make_heads
@@ -30,6 +31,7 @@ from clover_jax.model import Llama
 WEIGHTS = "heads.safetensors"
 CONFIG = "heads.json"
 COUNTS = "token_counts.safetensors"  # how often each token occurs in the training targets (draft_vocab)
+SAVED = (nnx.Param, DraftIds)  # what a heads file holds: the parameters, and EAGLE-3's draft token ids
 
 
 def base_fingerprint(base: Llama) -> str:
@@ -48,7 +50,7 @@ def _name(path: tuple) -> str:
 
 def _stored_params(heads: Heads) -> dict[str, np.ndarray]:
     """The heads' parameters as the file holds them: by dotted path, q/k/v apart (`layers.to_stored`)."""
-    return {_name(part): array for path, var in nnx.to_flat_state(nnx.state(heads, nnx.Param))
+    return {_name(part): array for path, var in nnx.to_flat_state(nnx.state(heads, SAVED))
             for part, array in to_stored(path, np.asarray(jax.device_get(var[...])))}
 
 
@@ -124,7 +126,7 @@ def load_heads(heads_dir: str | Path, base: Llama, method: str | None = None) ->
     except Exception as e:  # safetensors' own error types for missing or corrupt files
         raise CloverError(f"{heads_dir}: cannot read {WEIGHTS} ({e})") from None
     heads = make_heads(hcfg, base)
-    flat = nnx.to_flat_state(nnx.state(heads, nnx.Param))
+    flat = nnx.to_flat_state(nnx.state(heads, SAVED))
     expected = {_name(part): shape for path, var in flat for part, shape in stored_parts(path, var[...].shape)}
     missing = sorted(set(expected) - set(stored))
     extra = sorted(set(stored) - set(expected))
@@ -137,6 +139,10 @@ def load_heads(heads_dir: str | Path, base: Llama, method: str | None = None) ->
     leaves = []
     for path, var in flat:
         value = from_stored([stored[_name(part)] for part, _ in stored_parts(path, var[...].shape)], var[...].shape)
+        if isinstance(var, DraftIds) and not (np.all(np.diff(value) > 0) and 0 <= value.min()
+                                              and value.max() < base.cfg.vocab_size):
+            raise CloverError(f"{heads_dir}: tensor {_name(path)} holds draft token ids that are not distinct ids of "
+                              f"the vocabulary (0..{base.cfg.vocab_size - 1}, ascending)")
         leaves.append((path, var.replace(jnp.asarray(value, dtype=var[...].dtype))))
     nnx.update(heads, nnx.from_flat_state(leaves))
     return heads

@@ -41,6 +41,7 @@ class HeadsConfig:
     num_heads: int
     embed_source: str = "lm_head"  # Clover-2's token embedding: "lm_head" (frozen copy) or "input"
     noise: float = 0.01  # scale of the uniform noise added to identity initialisations
+    draft_vocab: int = 0  # EAGLE-3: the tokens its own lm_head scores (0: the whole vocabulary)
 
     def __post_init__(self):
         from clover_jax import methods  # the registry names these classes: imported late
@@ -48,6 +49,8 @@ class HeadsConfig:
         methods.get(self.method)
         if self.num_heads < 1:
             raise CloverError(f"num_heads={self.num_heads} must be >= 1")
+        if self.draft_vocab < 0:
+            raise CloverError(f"draft_vocab={self.draft_vocab} must be >= 0 (0: the whole vocabulary)")
         if self.embed_source not in ("lm_head", "input"):
             raise CloverError(f"embed_source={self.embed_source!r} must be 'lm_head' or 'input'")
 

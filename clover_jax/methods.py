@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from clover_jax.errors import CloverError
+from clover_jax.eagle import Eagle, Eagle3
 from clover_jax.heads import CloverHeads, Clover2Heads, MedusaHeads
 
 
@@ -18,7 +19,7 @@ class Method:
     """One draft method."""
 
     name: str
-    drafter: type  # a `heads.Heads` subclass, built as drafter(hcfg, base, rngs=...)
+    drafter: type  # a `drafter.Drafter` class, built as drafter(hcfg, base, rngs=...)
     depth: int  # default number of draft heads: the deepest tree it drafts
     tree: str  # its paper's static tree, a `tree.NAMED_TREES` name, cut to the heads' depth
     loss: str  # its training loss, a key of `train.losses.LOSSES`
@@ -47,7 +48,8 @@ def names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-# The shipped methods (SPEC section 2): the command-line choices, in this order.
+# The methods whose heads ship beside the reference model (SPEC section 2), in this order: the
+# benchmark's default.
 register(Method("medusa", MedusaHeads, depth=4, tree="medusa_mc_sim_7b_63", loss="cross_entropy",
                 color="tab:blue"))
 register(Method("clover", CloverHeads, depth=3, tree="medusa_mc_sim_7b_63", loss="cross_entropy", aug_layers=1,
@@ -55,3 +57,7 @@ register(Method("clover", CloverHeads, depth=3, tree="medusa_mc_sim_7b_63", loss
 register(Method("clover2", Clover2Heads, depth=5, tree="eagle_mc_sim_7b_63", loss="distill", aug_layers=2,
                 color="tab:red"))
 SHIPPED = names()
+# The draft models of SPEC section 8: the command-line choices, with the ones above (BUILT_IN).
+register(Method("eagle", Eagle, depth=5, tree="eagle_mc_sim_7b_63", loss="eagle", color="tab:purple"))
+register(Method("eagle3", Eagle3, depth=7, tree="eagle_mc_sim_7b_63", loss="eagle3", color="tab:orange"))
+BUILT_IN = names()

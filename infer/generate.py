@@ -30,7 +30,7 @@ from clover_jax.tree import resolve_tree
 from infer import cli
 from infer.conversation import answer_turns, record_turns
 
-METHODS = ("plain",) + methods.SHIPPED
+METHODS = ("plain",) + methods.BUILT_IN
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 EPILOG = """\

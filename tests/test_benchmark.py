@@ -85,7 +85,7 @@ def test_default_tree_is_auto_and_each_row_names_the_tree_it_used(tmp_path, caps
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--methods", "plain,eagle"], "unknown method 'eagle'"),
+    (["--methods", "plain,eagle-9"], "unknown method 'eagle-9'"),
     (["--batch-sizes", "1,zero"], "--batch-sizes '1,zero': expected comma-separated integers"),
     (["--batch-sizes", "0"], "give one or more integers >= 1"),
     (["--repeats", "0"], "--repeats 0 must be >= 1"),

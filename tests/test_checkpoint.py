@@ -25,12 +25,14 @@ def base():
     return Llama(ModelConfig.tiny(), rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("method", ["medusa", "clover", "clover2"])
+@pytest.mark.parametrize("method", ["medusa", "clover", "clover2", "eagle", "eagle3"])
 def test_round_trip_is_exact(method, base, tmp_path):
-    heads = make_heads(HeadsConfig(method, 3), base, seed=7)
+    heads = make_heads(HeadsConfig(method, 3, draft_vocab=20 if method == "eagle3" else 0), base, seed=7)
+    if method == "eagle3":  # its draft token ids are saved with its parameters
+        heads.set_vocab(base, jnp.arange(20, dtype=jnp.int32) * 3)
     save_heads(heads, base, tmp_path, extra={"note": "x"})
     loaded = load_heads(tmp_path, base, method)
-    for a, b in zip(jax.tree.leaves(nnx.state(heads, nnx.Param)), jax.tree.leaves(nnx.state(loaded, nnx.Param))):
+    for a, b in zip(jax.tree.leaves(nnx.state(heads)), jax.tree.leaves(nnx.state(loaded)), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     meta = json.loads((tmp_path / "heads.json").read_text())
     assert meta["base_fingerprint"] == base_fingerprint(base) and meta["note"] == "x"
@@ -62,12 +64,13 @@ def _one_line(err: pytest.ExceptionInfo) -> str:
     return message
 
 
-def test_wrong_base_and_wrong_method_are_refused(base, tmp_path):
-    save_heads(make_heads(HeadsConfig("clover", 2), base), base, tmp_path)
+@pytest.mark.parametrize("method", ["clover", "eagle3"])
+def test_wrong_base_and_wrong_method_are_refused(base, tmp_path, method):
+    save_heads(make_heads(HeadsConfig(method, 2), base), base, tmp_path)
     with pytest.raises(CloverError, match="trained for another base model") as err:
         load_heads(tmp_path, Llama(base.cfg, rngs=nnx.Rngs(3)))
     _one_line(err)
-    with pytest.raises(CloverError, match="holds clover heads, not medusa") as err:
+    with pytest.raises(CloverError, match=f"holds {method} heads, not medusa") as err:
         load_heads(tmp_path, base, "medusa")
     _one_line(err)
 
@@ -92,7 +95,7 @@ def test_damaged_heads_directory_is_one_clear_line(damage, message, base, tmp_pa
         meta_path.write_text("{not json")
     elif damage == "bad_method":
         meta = json.loads(meta_path.read_text())
-        meta["heads"]["method"] = "eagle"
+        meta["heads"]["method"] = "eagle-9"
         meta_path.write_text(json.dumps(meta))
     elif damage == "no_weights":
         weights_path.unlink()
@@ -103,6 +106,15 @@ def test_damaged_heads_directory_is_one_clear_line(damage, message, base, tmp_pa
     elif damage == "misshaped_tensor":
         save_file({**tensors, name: np.zeros(tensors[name].shape + (2,), np.float32)}, str(weights_path))
     with pytest.raises(CloverError, match=message) as err:
+        load_heads(tmp_path, base)
+    _one_line(err)
+
+
+def test_draft_ids_outside_the_vocabulary_are_one_clear_line(base, tmp_path):
+    save_heads(make_heads(HeadsConfig("eagle3", 2, draft_vocab=8), base), base, tmp_path)
+    tensors = load_file(str(tmp_path / WEIGHTS))
+    save_file({**tensors, "ids": np.arange(8, dtype=np.int32) + base.cfg.vocab_size - 4}, str(tmp_path / WEIGHTS))
+    with pytest.raises(CloverError, match="draft token ids .* not distinct ids of the vocabulary") as err:
         load_heads(tmp_path, base)
     _one_line(err)
 

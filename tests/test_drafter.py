@@ -120,15 +120,17 @@ def test_a_drafter_registers_as_itself(base):
 
 @pytest.mark.parametrize("spec", ["widths:3,2,2", "default", "dynamic:8", "eagle2:10"])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_a_draft_model_with_its_own_cache_decodes_as_plain(base, plain, spec, batch):
+@pytest.mark.parametrize("method", ["tiny-eagle", "eagle", "eagle3"])
+def test_a_draft_model_with_its_own_cache_decodes_as_plain(base, plain, method, spec, batch):
     """Greedy output equals plain decoding; the draft cache then holds exactly what committing the
     prompt and the accepted text from scratch writes (rejected drafts never stay in it)."""
-    drafter = perturbed("tiny-eagle", base, 3)
-    gen = SpeculativeGenerator(base, drafter, resolve_tree(spec, "tiny-eagle", 3))
+    drafter = perturbed(method, base, 3)
+    gen = SpeculativeGenerator(base, drafter, resolve_tree(spec, method, 3))
     rows = list(range(len(PROMPTS))) if batch == 4 else [1]
     out = gen.generate([PROMPTS[i] for i in rows], MAX_NEW, eos_ids=[])
     assert out.tokens == [plain[i][:MAX_NEW] for i in rows]
-    assert np.asarray(out.accept_hist)[:, 1:].sum() > 0  # some drafts were accepted
+    if batch == 4:  # some drafts were accepted (random drafters: one sequence may see none)
+        assert np.asarray(out.accept_hist)[:, 1:].sum() > 0
     state = out.state.draft
     for j, i in enumerate(rows):
         length = int(state.cache.lengths[j])
@@ -177,7 +179,7 @@ def chain_logits(base, drafter, state, path, lens) -> list[np.ndarray]:
     return out
 
 
-@pytest.mark.parametrize("method", ["medusa", "clover", "clover2", "tiny-eagle"])
+@pytest.mark.parametrize("method", ["medusa", "clover", "clover2", "tiny-eagle", "eagle", "eagle3"])
 def test_each_node_gets_the_logits_of_its_path_drafted_as_a_chain(base, method):
     """Draft a static tree once; then, for every node that has children, draft the tokens of its path
     as a chain, one node per level: at every depth the chain's logits are the ones the tree gave the

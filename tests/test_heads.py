@@ -154,8 +154,8 @@ def test_heads_config_defaults_and_errors():
     cfg = HeadsConfig("clover2", 5)
     assert cfg.embed_source == "lm_head" and cfg.noise == NOISE
     assert [HeadsConfig(m, 1).aug_layers for m in ("medusa", "clover", "clover2")] == [0, 1, 2]
-    for bad in (dict(method="eagle", num_heads=3), dict(method="clover", num_heads=0),
-                dict(method="clover2", num_heads=5, embed_source="output")):
+    for bad in (dict(method="eagle-9", num_heads=3), dict(method="clover", num_heads=0),
+                dict(method="clover2", num_heads=5, embed_source="output"), dict(method="eagle3", num_heads=2, draft_vocab=-1)):
         with pytest.raises(CloverError):
             HeadsConfig(**bad)
 

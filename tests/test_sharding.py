@@ -42,6 +42,7 @@ def test_sharded_generation_matches_one_device(sharded_results, mesh):
     assert sharded["speculative"] == one["speculative"] == one["plain"]
     assert sharded["draft_vocab"] == one["draft_vocab"] == one["plain"]
     assert sharded["streamed"] == one["streamed"] == one["plain"]  # the last step's tokens, handed to the host
+    assert sharded["eagle3"] == one["eagle3"] == one["plain"]  # a draft model with its own cache
 
 
 def test_params_and_caches_really_are_sharded(sharded_results):
@@ -49,6 +50,7 @@ def test_params_and_caches_really_are_sharded(sharded_results):
     assert r["gate_proj"] == str(PartitionSpec(None, "model")) and r["gate_proj_shards"] == 4
     assert r["cache"] == str(PartitionSpec("data", "model")) == r["aug_cache"]
     assert r["draft_vocab_rows"] == str(PartitionSpec("model", None))  # split over the vocabulary, as lm_head is
+    assert r["eagle3_cache"] == r["cache"] and r["eagle3_lm_head"] == str(PartitionSpec(None, "model"))
     assert sharded_results["fsdp=2,model=4"]["gate_proj"] == str(PartitionSpec("fsdp", "model"))
     assert sharded_results["data=8,model=1"]["cache"] == str(PartitionSpec("data"))
 
@@ -102,7 +104,7 @@ def test_two_processes_generate_the_single_process_tokens(sharded_results):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")]))
     procs = [subprocess.Popen([sys.executable, str(HERE / "multiprocess_run.py"), str(i), str(port)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=HERE.parent)
              for i in range(2)]

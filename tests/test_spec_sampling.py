@@ -133,11 +133,14 @@ def p_values(tokens: np.ndarray, joint: np.ndarray) -> dict[str, float]:
 CASES = [("medusa", SamplingConfig(temperature=1.0), TREE),
          ("clover2", SamplingConfig(temperature=1.0), TREE), ("clover2", SamplingConfig(temperature=0.7), TREE),
          ("clover", SamplingConfig(temperature=1.0, top_p=0.9), TREE),
+         ("eagle", SamplingConfig(temperature=1.0), TREE), ("eagle3", SamplingConfig(temperature=0.7), TREE),
+         ("eagle", SamplingConfig(temperature=1.0), "dynamic:7"), ("eagle3", SamplingConfig(temperature=1.0), "eagle2:7"),
          ("table", SamplingConfig(temperature=1.0), "eagle2:7"),
          ("table", SamplingConfig(temperature=0.7, top_p=0.9), "dynamic:7")]
 
 
-@pytest.mark.parametrize("method, tree", [("clover2", TREE), ("table", "dynamic:7")], ids=["static", "dynamic"])
+@pytest.mark.parametrize("method, tree", [("clover2", TREE), ("table", "dynamic:7"), ("eagle3", TREE)],
+                         ids=["static", "dynamic", "eagle3"])
 def test_sampling_stays_exact_with_a_draft_vocabulary(base, method, tree):
     """Drafting from 16 of the 24 tokens: q is 0 on the other 8, which the base model still writes
     (through the residual), and the output keeps its distribution."""

@@ -30,7 +30,7 @@ from clover_jax.checkpoint import load_heads
 from clover_jax.convert import load_pretrained
 from clover_jax.errors import CloverError
 from clover_jax.heads import HeadsConfig, make_heads
-from clover_jax.methods import SHIPPED as METHODS
+from clover_jax.methods import BUILT_IN as METHODS, SHIPPED as HEADS
 from clover_jax.model import causal_self_mask
 from conftest import save_tiny_llama, tiny_tokenizer
 from infer import generate
@@ -201,7 +201,7 @@ def test_chain_steps_start_at_the_response_and_stop_before_the_window_runs_out()
 # ---------------------------------------------------------------------------------------------------
 # Teacher forcing sees what drafting sees.
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", HEADS)  # EAGLE's draft models: tests/test_eagle.py
 def test_unroll_equals_the_decoding_path(method, loaded):
     """Entry [k, :, t] of `unroll` equals the decoding path's calls at position t: the heads' context
     (cache-free, causal) at t, computed with every token after x_{t+1} replaced so nothing later can
@@ -293,7 +293,7 @@ def _train(capsys, *args):
     return (code, *capsys.readouterr())
 
 
-DATA_OF = {"medusa": "plain", "clover": "plain", "clover2": "hidden"}
+DATA_OF = {"medusa": "plain", "clover": "plain", "clover2": "hidden", "eagle": "hidden", "eagle3": "plain"}
 
 
 @pytest.fixture(scope="module")
@@ -304,7 +304,7 @@ def trained(model_dir, datasets, tmp_path_factory):
     for method in METHODS:
         root = tmp_path_factory.mktemp(f"train-{method}")
         before = _sha256(model_dir / "model.safetensors")
-        extra = ["--val-fraction", 0.2, "--eval-batches", 1] if method == "medusa" else []
+        extra = {"medusa": ["--val-fraction", 0.2, "--eval-batches", 1], "eagle3": ["--draft-vocab", 40]}.get(method, [])
         err = io.StringIO()  # module fixtures cannot use capsys
         with contextlib.redirect_stderr(err):
             code = train.main(_argv(model_dir, datasets[DATA_OF[method]], root / "out", root / "work", method, *extra))
@@ -355,7 +355,11 @@ def test_training_lowers_the_loss_and_leaves_the_base_alone(method, trained, mod
     assert 2 * head_size <= opt_sizes <= 2 * head_size + 8  # Adam's mu and nu plus step counts
     assert base_size not in (opt_sizes, head_size)
     paths = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(restored)[0]}
-    assert not any(name in p for p in paths for name in ("embed_tokens", "'layers'", "lm_head"))
+    base_names = ("embed_tokens", "'layers'") + (() if method == "eagle3" else ("lm_head",))  # EAGLE-3 has its own
+    assert not any(name in p for p in paths for name in base_names)
+    if method == "eagle3":  # its draft vocabulary: the 40 most frequent response tokens, saved with the heads
+        counts = load_file(str(out / "token_counts.safetensors"))["counts"]
+        assert set(np.asarray(end.ids[...]).tolist()) == set(np.argsort(-counts, kind="stable")[:40].tolist())
 
 
 def test_kill_and_resume_gives_identical_heads(trained, model_dir, datasets, tmp_path, capsys, ctrl_c):
@@ -398,6 +402,25 @@ def test_kill_and_resume_gives_identical_heads(trained, model_dir, datasets, tmp
     assert "was started with method='clover2', not 'medusa'" in err
 
 
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_a_draft_model_resumes_to_identical_heads(method, trained, model_dir, datasets, tmp_path, capsys):
+    """Stopped after step 3 and resumed, EAGLE-1 (whose feature noise is drawn per step) and EAGLE-3
+    (with its draft vocabulary) export the heads of the straight run."""
+    extra = ["--draft-vocab", 40] if method == "eagle3" else []
+    out, work = tmp_path / "out", tmp_path / "work"
+    code, _, err = _train(capsys, model_dir, datasets[DATA_OF[method]], out, work, method, "--stop-after", 3, *extra)
+    assert code == 0 and "stopped at step 3" in err, err
+    code, _, err = _train(capsys, model_dir, datasets[DATA_OF[method]], out, work, method, "--resume", *extra)
+    assert code == 0 and "resumed from step 3" in err, err
+    a, b = load_file(str(trained[method][0] / "heads.safetensors")), load_file(str(out / "heads.safetensors"))
+    assert sorted(a) == sorted(b)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    if method == "eagle3":  # another draft vocabulary would change what the checkpoints hold
+        code, _, err = _train(capsys, model_dir, datasets[DATA_OF[method]], out, work, method, "--resume")
+        assert code == 2 and err.count("\n") == 1 and "was started with draft_vocab=40, not 0" in err, err
+
+
 @pytest.fixture(scope="module")
 def other_base(tok, tmp_path_factory):
     """A second tiny model with the same tokenizer and shapes but other weights."""
@@ -407,7 +430,7 @@ def other_base(tok, tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["missing dir", "empty dir", "foreign meta", "other base", "seq-len too long",
-                                  "zero steps", "out under a file", "work dir under a file"])
+                                  "zero steps", "out under a file", "work dir under a file", "draft vocab of heads"])
 def test_bad_input_is_one_error_line_and_exit_2(case, model_dir, other_base, datasets, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     (tmp_path / "foreign").mkdir()
@@ -417,6 +440,7 @@ def test_bad_input_is_one_error_line_and_exit_2(case, model_dir, other_base, dat
               "foreign meta": "not a meta.json written by train.make_data",
               "other base": "made with another base model", "seq-len too long": "exceeds the base model's context",
               "zero steps": "--steps must be >= 1",
+              "draft vocab of heads": "--draft-vocab is EAGLE-3's own lm_head; clover drafts from the base model's",
               "out under a file": f"--out: cannot create the folder {tmp_path / 'a-file' / 'heads'}: "
                                   f"{tmp_path / 'a-file'} is a file",
               "work dir under a file": f"--work-dir: cannot create the folder {tmp_path / 'a-file' / 'work'}: "
@@ -434,6 +458,8 @@ def test_bad_input_is_one_error_line_and_exit_2(case, model_dir, other_base, dat
         extra = ["--seq-len", 65]
     elif case == "zero steps":
         extra = ["--steps", 0]
+    elif case == "draft vocab of heads":
+        extra = ["--draft-vocab", 8]
     elif case == "out under a file":
         (tmp_path / "a-file").write_text("")
         out = tmp_path / "a-file" / "heads"  # refused before any training, not when the heads are saved
@@ -500,7 +526,8 @@ def test_sharded_training_matches_and_resumes_on_another_mesh(model_dir, dataset
     heads trained on a data=4,model=2 mesh equal the one-device run, and so does a run stopped on that
     mesh and resumed from its orbax checkpoint on data=2,fsdp=2,model=2. `make_data --mesh` writes the
     same data (tokens; hidden states to float16 rounding), fixed and self-distilled."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))  # this checkout's package
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "sharded_train_run.py"), str(model_dir),

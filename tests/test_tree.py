@@ -249,7 +249,7 @@ def test_resolve_dynamic_trees():
 @pytest.mark.parametrize(
     "spec, method, heads, message",
     [
-        (None, "eagle", 4, r"unknown method 'eagle'"),
+        (None, "eagle-9", 4, r"unknown method 'eagle-9'"),
         (None, "medusa", 0, r"num_heads must be a positive integer"),
         ("dynamic:", "clover", 3, r"write dynamic:N \(N tree slots, root included\) or dynamic:N,W"),
         ("eagle2:9,2,1", "clover", 3, r"write eagle2:N"),

@@ -19,6 +19,8 @@ import optax
 
 HEAD_DECAY = 0.7
 HIDDEN_WEIGHT = 10.0
+EAGLE_CE_WEIGHT = 0.1  # EAGLE-1: SmoothL1 on the feature + 0.1 x cross-entropy
+EAGLE3_DECAY = 0.8  # EAGLE-3: training-time test step k weighted 0.8^k (the authors' main.py)
 
 
 def shift_left(x: jax.Array, n: int) -> jax.Array:
@@ -63,7 +65,7 @@ def cross_entropy_loss(head_logits: jax.Array, tokens: jax.Array, loss_mask: jax
 
 
 def distill_loss(head_hidden: jax.Array, head_logits: jax.Array, base_normed: jax.Array,
-                 base_logits: jax.Array, tokens: jax.Array, loss_mask: jax.Array):
+                 base_logits: jax.Array, tokens: jax.Array, loss_mask: jax.Array, base_hidden=None):
     """Clover-2. head_hidden [K, B, T, D], head_logits [K, B, T, V]; base_normed [B, T, D] and
     base_logits [B, T, V] of the base model at every position. Same returns as `cross_entropy_loss`."""
     k_heads = head_hidden.shape[0]
@@ -79,15 +81,57 @@ def distill_loss(head_hidden: jax.Array, head_logits: jax.Array, base_normed: ja
     return jnp.sum(head_weights(k_heads) * per_head), per_head, masks, targets
 
 
-def method_cross_entropy(head_hidden, head_logits, base_normed, base_logits, tokens, loss_mask):
+def method_cross_entropy(head_hidden, head_logits, base_normed, base_logits, tokens, loss_mask, base_hidden=None):
     """`cross_entropy_loss` under the signature every entry of LOSSES shares."""
     return cross_entropy_loss(head_logits, tokens, loss_mask)
 
 
+def _targets_and_masks(tokens, loss_mask, k_heads):
+    return (jnp.stack([shift_left(tokens, k + 2) for k in range(k_heads)]),
+            jnp.stack([target_mask(loss_mask, k) for k in range(k_heads)]))
+
+
+def eagle_loss(head_hidden, head_logits, base_normed, base_logits, tokens, loss_mask, base_hidden=None):
+    """EAGLE-1 on the training-time test's steps (`eagle.EagleDrafter.unroll`): at step k the draft
+    layer's output predicts the base model's feature at t+1+k (before the final norm, base_hidden
+    [B, T, D]): SmoothL1 to it plus 0.1 x the soft cross-entropy against the base model's distribution
+    there. EAGLE-1 trains the first step alone (on the target features); the deeper steps are scored
+    (per-head losses, accuracy) but weighted 0."""
+    k_heads = head_hidden.shape[0]
+    targets, masks = _targets_and_masks(tokens, loss_mask, k_heads)
+    per_head = []
+    for k in range(k_heads):
+        f_target = jax.lax.stop_gradient(shift_left(base_hidden, k + 1))
+        p_target = jax.lax.stop_gradient(jax.nn.softmax(shift_left(base_logits, k + 1).astype(jnp.float32), -1))
+        loss = smooth_l1(head_hidden[k], f_target) + EAGLE_CE_WEIGHT * soft_cross_entropy(head_logits[k], p_target)
+        per_head.append(masked_mean(loss, masks[k]))
+    per_head = jnp.stack(per_head)
+    return per_head[0], per_head, masks, targets
+
+
+def eagle3_loss(head_hidden, head_logits, base_normed, base_logits, tokens, loss_mask, base_hidden=None):
+    """EAGLE-3's training-time test: step k (weighted 0.8^k) learns the base model's distribution at
+    t+1+k restricted to the draft vocabulary (the tokens whose head logits are not `eagle.NO_LOGIT`),
+    by soft cross-entropy, where the base model's own choice there is in that vocabulary. No feature
+    loss."""
+    k_heads = head_logits.shape[0]
+    targets, masks = _targets_and_masks(tokens, loss_mask, k_heads)
+    in_vocab = head_logits[0, :1, :1] > -1e8  # [1, 1, V]: the draft vocabulary
+    per_head = []
+    for k in range(k_heads):
+        at = jax.lax.stop_gradient(shift_left(base_logits, k + 1).astype(jnp.float32))
+        p_target = jax.nn.softmax(jnp.where(in_vocab, at, -1e9), -1)
+        drafted = jnp.take(in_vocab[0, 0], jnp.argmax(at, -1)).astype(jnp.float32)  # [B, T]
+        per_head.append(masked_mean(soft_cross_entropy(head_logits[k], p_target), masks[k] * drafted))
+    per_head = jnp.stack(per_head)
+    return jnp.sum(EAGLE3_DECAY ** jnp.arange(k_heads, dtype=jnp.float32) * per_head), per_head, masks, targets
+
+
 # The training losses a method's registry entry (`clover_jax.methods.Method.loss`) can name; each takes
 # (head_hidden [K, B, T, D], head_logits [K, B, T, V], base_normed [B, T, D], base_logits [B, T, V],
-# tokens [B, T], loss_mask [B, T]) and returns (loss, per-head losses [K], masks [K, B, T], targets [K, B, T]).
-LOSSES = {"cross_entropy": method_cross_entropy, "distill": distill_loss}
+# tokens [B, T], loss_mask [B, T], base_hidden [B, T, D]) and returns (loss, per-head losses [K],
+# masks [K, B, T], targets [K, B, T]).
+LOSSES = {"cross_entropy": method_cross_entropy, "distill": distill_loss, "eagle": eagle_loss, "eagle3": eagle3_loss}
 
 
 def topk_accuracy(head_logits: jax.Array, targets: jax.Array, masks: jax.Array, k: int) -> jax.Array:

@@ -28,9 +28,11 @@ from clover_jax import methods
 from clover_jax.checkpoint import save_heads
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import to_host
-from clover_jax.draft_vocab import token_counts
+from clover_jax.draft_vocab import DraftVocab, token_counts
+from clover_jax.drafter import Drafter
+from clover_jax.eagle import Eagle3, EagleDrafter
 from clover_jax.errors import CloverError
-from clover_jax.heads import Heads, HeadsConfig, make_heads
+from clover_jax.heads import HeadsConfig, make_heads
 from clover_jax.model import Llama, causal_self_mask
 from clover_jax.sharding import onto_mesh, put_batch, shard_module
 from infer import cli
@@ -41,27 +43,35 @@ from train.runs import MetricsLog, pin_run, restore_latest, stop_due, stop_on_in
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def base_states(base: Llama, tokens: jax.Array, hidden: jax.Array | None):
-    """(hidden, hidden_normed, logits) of the frozen base at every position: from stored hidden states
-    when the dataset has them, else from a forward pass; never differentiated."""
-    if hidden is None:
+def base_states(base: Llama, tokens: jax.Array, hidden: jax.Array | None, feature_layers: tuple[int, ...] = ()):
+    """(hidden, hidden_normed, logits, features) of the frozen base at every position: from stored hidden
+    states when the dataset has them and no inner layer is asked for, else from a forward pass (features
+    [B, T, F, D]: the outputs of `feature_layers`, None without); never differentiated."""
+    features = None
+    if hidden is None or feature_layers:
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        hidden = base(tokens, positions, causal_self_mask(b, t), with_logits=False).hidden
+        out = base(tokens, positions, causal_self_mask(b, t), with_logits=False, feature_layers=feature_layers)
+        hidden, features = out.hidden, out.features
+        features = None if features is None else jax.lax.stop_gradient(features)
     hidden = jax.lax.stop_gradient(hidden.astype(base.dtype))
     normed = base.norm(hidden)
-    return hidden, normed, jax.lax.stop_gradient(base.logits(normed))
+    return hidden, normed, jax.lax.stop_gradient(base.logits(normed)), features
 
 
-def head_loss(heads: Heads, base: Llama, batch: dict, with_hits: bool = False):
+def head_loss(heads: Drafter, base: Llama, batch: dict, with_hits: bool = False, key: jax.Array | None = None):
     """(loss, metrics) of one batch: the method's loss plus per-head losses and top-1/top-5 accuracy;
-    `with_hits` adds each head's top-1 hits [K, B, T] (`losses.top1_hits`), which evaluation replays."""
+    `with_hits` adds each head's top-1 hits [K, B, T] (`losses.top1_hits`), which evaluation replays.
+    `key`: a training step's randomness (EAGLE-1's feature noise); None in evaluation."""
     tokens, mask = batch["tokens"], batch["loss_mask"]
-    hidden, normed, base_logits = base_states(base, tokens, batch.get("hidden"))
-    head_hidden = heads.unroll(base, hidden, normed, tokens)  # [K, B, T, D]
-    head_logits = base.logits(head_hidden)
+    hidden, normed, base_logits, features = base_states(base, tokens, batch.get("hidden"), heads.feature_layers)
+    if isinstance(heads, EagleDrafter):  # a draft model's training-time test: [K, B, T, D] and its own logits
+        head_hidden, head_logits = heads.drafts(base, hidden, features, tokens, key)
+    else:
+        head_hidden = heads.unroll(base, hidden, normed, tokens)  # [K, B, T, D]
+        head_logits = base.logits(head_hidden)
     method_loss = losses.LOSSES[methods.get(heads.hcfg.method).loss]
-    loss, per_head, masks, targets = method_loss(head_hidden, head_logits, normed, base_logits, tokens, mask)
+    loss, per_head, masks, targets = method_loss(head_hidden, head_logits, normed, base_logits, tokens, mask, hidden)
     metrics = {"loss": loss, "head_loss": per_head,
                "top1": losses.topk_accuracy(head_logits, targets, masks, 1),
                "top5": losses.topk_accuracy(head_logits, targets, masks, 5)}
@@ -90,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-heads", type=int, help="number of heads (default: " + ", ".join(f"{m} {methods.get(m).depth}" for m in methods.SHIPPED) + ")")
     p.add_argument("--embed-source", choices=("lm_head", "input"), default="lm_head",
                    help="Clover-2 token embeddings: a frozen copy of lm_head, or the input embedding table")
+    p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="EAGLE-3: its lm_head scores the N most frequent response tokens of the data (0: all)")
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps (the schedule's length)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per training window")
@@ -144,13 +156,21 @@ def run(args) -> int:
         raise CloverError(f"--seq-len {args.seq_len} exceeds the base model's context "
                           f"({base.cfg.max_position_embeddings}); lower it")
     train_idx, val_idx = data.split(args.val_fraction)
-    hcfg = HeadsConfig(args.method, args.num_heads or methods.get(args.method).depth, args.embed_source)
+    hcfg = HeadsConfig(args.method, args.num_heads or methods.get(args.method).depth, args.embed_source,
+                       draft_vocab=args.draft_vocab)
     heads = make_heads(hcfg, base, seed=args.seed)
+    counts = token_counts(data.tokens, data.loss_mask, base.cfg.vocab_size)
+    if args.draft_vocab:
+        if not isinstance(heads, Eagle3):
+            raise CloverError(f"--draft-vocab is EAGLE-3's own lm_head; {args.method} drafts from the base model's")
+        if args.draft_vocab > base.cfg.vocab_size:
+            raise CloverError(f"--draft-vocab {args.draft_vocab} exceeds the vocabulary ({base.cfg.vocab_size})")
+        heads.set_vocab(base, DraftVocab.most_frequent(base.lm_head_weight(), counts, args.draft_vocab).ids)
     # Float32 master weights; the forward casts them to the activations' dtype.
     nnx.update(heads, jax.tree.map(lambda x: x.astype(jnp.float32), nnx.state(heads, nnx.Param)))
     if mesh is not None:
         shard_module(heads, mesh)
-    head_graphdef, params = nnx.split(heads)
+    head_graphdef, params, fixed = nnx.split(heads, nnx.Param, ...)  # fixed: what is not trained (draft ids)
     base_graphdef, base_params = nnx.split(base)
     optimizer = make_optimizer(args)
     opt_state = jax.jit(optimizer.init)(params)  # moments placed like the parameters they follow
@@ -159,6 +179,7 @@ def run(args) -> int:
     best = ocp.CheckpointManager(work / "best", options=ocp.CheckpointManagerOptions(
         max_to_keep=1, best_fn=lambda m: m["val_loss"], best_mode="min"))
     pin_run(work, {"method": hcfg.method, "num_heads": hcfg.num_heads, "embed_source": hcfg.embed_source,
+                   "draft_vocab": hcfg.draft_vocab,
                    "base": str(Path(args.base).resolve()), "data": str(Path(args.data).resolve())})
     if last.latest_step() is not None and not args.resume:
         raise CloverError(f"{work} already holds checkpoints; pass --resume to continue, or another --work-dir")
@@ -169,13 +190,14 @@ def run(args) -> int:
     if start:
         print(f"resumed from step {start} in {work}", file=sys.stderr)
 
-    def loss_on(p, bp, batch, with_hits=False):
-        return head_loss(nnx.merge(head_graphdef, p), nnx.merge(base_graphdef, jax.lax.stop_gradient(bp)), batch,
-                         with_hits)
+    def loss_on(p, bp, batch, with_hits=False, key=None):
+        return head_loss(nnx.merge(head_graphdef, p, fixed), nnx.merge(base_graphdef, jax.lax.stop_gradient(bp)),
+                         batch, with_hits, key)
 
     @jax.jit
-    def train_step(p, opt_state, bp, batch):
-        (_, metrics), grads = jax.value_and_grad(loss_on, has_aux=True)(p, bp, batch)
+    def train_step(p, opt_state, bp, batch, step):
+        key = jax.random.fold_in(jax.random.key(args.seed), step)  # a function of the step: resumes exactly
+        (_, metrics), grads = jax.value_and_grad(loss_on, has_aux=True)(p, bp, batch, False, key)
         updates, opt_state = optimizer.update(grads, opt_state, p)
         return optax.apply_updates(p, updates), opt_state, metrics
 
@@ -217,7 +239,7 @@ def run(args) -> int:
     with stop_on_interrupt() as interrupt:
         for step in bar:
             batch = data.batch_at(step, args.batch_size, args.seq_len, args.seed, train_idx)
-            params, opt_state, m = train_step(params, opt_state, base_params, to_device(batch))
+            params, opt_state, m = train_step(params, opt_state, base_params, to_device(batch), step)
             done = step + 1
             if done % 10 == 0 or done == args.steps:
                 m = jax.device_get(m)
@@ -249,8 +271,7 @@ def run(args) -> int:
     nnx.update(heads, params)
     extra = {"training": {k: v for k, v in vars(args).items() if k != "resume"}, "final_step": args.steps,
              "held_out": ev}
-    save_heads(heads, base, args.out, extra=extra,
-               token_counts=token_counts(data.tokens, data.loss_mask, base.cfg.vocab_size))
+    save_heads(heads, base, args.out, extra=extra, token_counts=counts)
     summary = f": held-out top1 {ev['val_top1']}, chain tau {ev['val_chain_tau']:.2f}" if ev else ""
     print(f"saved {args.method} heads to {args.out}{summary}")
     return 0

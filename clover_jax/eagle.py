@@ -1,0 +1,255 @@
+"""EAGLE-1 and EAGLE-3: draft *models*, autoregressive on features, behind the drafter interface.
+
+Both run one Llama decoder layer (`DraftLayer`) over entries: entry t pairs the token x_{t+1} with a
+feature at t, and the layer's output o_t is the predicted feature at t+1, which scores x_{t+2}.
+- committed entries (`commit`) take the base model's feature: EAGLE-1 its last hidden state before the
+  final norm, EAGLE-3 an FC fusion (3D -> D) of a low, a middle and a high layer's outputs
+  (`model.low_mid_high`), both from verification's own forward pass; they go into the draft layer's
+  own KV cache, written only for the committed (accepted) positions, so it never holds a rejected token;
+- a tree node at depth k >= 1 is entry L - 1 + k (its position), holding its token and its parent's
+  output o as the feature (the Frontier's carry); its K/V go to cache slot L - 1 + its draft slot and
+  it reads the committed entries plus its ancestors' (`frontier.ancestors`, the mask verification
+  uses). The root's entry is the last committed one, so the root's children come from `context`.
+Scoring: EAGLE-1 through the base model's frozen final norm and lm_head; EAGLE-3 through a norm and an
+lm_head of its own over a reduced draft vocabulary (`ids`, spread back over the whole vocabulary).
+The entry: EAGLE-1 x = FC([E(x_{t+1}); f_t]) (2D -> D, bias; the layer has no input norm, as the
+authors' first layer); EAGLE-3 attends over [input_norm(E(x_{t+1})); hidden_norm(g_t)] (q, k, v
+project from 2D) with g_t the residual stream. E is the base model's input embedding, frozen.
+
+Training (`unroll`) is EAGLE-3's training-time test for both: step 0 runs the layer causally over the
+target features; step j feeds each position its own step j-1 output and the true token j further
+on, at position t + j, reading the step-0 entries up to t and its own chain (steps 1..j at t): exactly
+the entries a chain drafted from root x_{t+1} reads in decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from clover_jax.cache import KVCache, causal_mask, tree_mask
+from clover_jax.config import ModelConfig, rope_inv_freq
+from clover_jax.draft_vocab import DraftVocab
+from clover_jax.drafter import Committed, Drafter, Frontier
+from clover_jax.layers import MLP, Attention, Linear, QKVProjection, RMSNorm, apply_rope, attend
+from clover_jax.model import Llama, low_mid_high
+from clover_jax.sharding import constrain_cache
+
+NO_LOGIT = -1e9  # the logit of a token outside EAGLE-3's draft vocabulary: probability 0, finite log
+
+
+class DraftIds(nnx.Variable):
+    """Token ids a draft lm_head scores (not trained; saved with the parameters)."""
+
+
+@flax.struct.dataclass
+class EagleState:
+    """The draft model's state between steps."""
+
+    cache: KVCache  # the draft layer's own cache: committed entries only (slots [0, lengths))
+    context: jax.Array  # [B, D] the layer's output at the last committed entry (scores the root's children)
+
+
+class DraftLayer(nnx.Module):
+    """A Llama decoder layer whose attention reads `width`-wide input (2D for EAGLE-3) while its
+    residual stream stays D wide; the input norm is the caller's."""
+
+    def __init__(self, cfg: ModelConfig, width: int, *, dtype, rngs: nnx.Rngs):
+        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        if width != cfg.hidden_size:
+            self.self_attn.qkv_proj = QKVProjection(dataclasses.replace(cfg, hidden_size=width), dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+
+    def __call__(self, attn_in, residual, positions, mask, cache: KVCache | None):
+        """Decoding: attention over the cache's committed slots and the new entries (mask [B, T, S])."""
+        attn, cache = self.self_attn(attn_in, positions, mask, cache, 0)
+        return self._rest(residual + attn), cache
+
+    def project(self, attn_in, positions):
+        """q [B, T, N, H] and k, v [B, K, T, H] of T entries, rotated to their positions."""
+        a = self.self_attn
+        q, k, v = a.qkv_proj(attn_in)
+        inv_freq = rope_inv_freq(a.cfg)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        return q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+
+    def over(self, q, keys, values, mask, residual):
+        """Training: the layer's output for queries q over given keys/values [B, K, S, H] (mask [B, T, S])."""
+        b, t = q.shape[:2]
+        attn = self.self_attn.o_proj(attend(q, keys, values, mask).reshape(b, t, -1))
+        return self._rest(residual + attn)
+
+    def _rest(self, x):
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class EagleDrafter(nnx.Module, Drafter):
+    """The shared draft-model plumbing; subclasses say what a committed entry's feature is
+    (`committed_feature`), how an entry enters the layer (`entry`) and how an output is scored
+    (`logits`)."""
+
+    feature_noise = 0.0  # width of the uniform noise added to target features in training
+
+    def __init__(self, hcfg, base: Llama, layer: DraftLayer):
+        self.hcfg = hcfg
+        self.layer = layer
+
+    @property
+    def num_heads(self) -> int:
+        return self.hcfg.num_heads
+
+    def committed_feature(self, base: Llama, hidden, features):
+        """[B, T, D] the feature of committed entries from the base model's hidden [B, T, D] and
+        feature layers' outputs [B, T, F, D]."""
+        raise NotImplementedError
+
+    def entry(self, base: Llama, tokens, feature):
+        """(attention input, residual) of entries holding tokens [B, T] and features [B, T, D]."""
+        raise NotImplementedError
+
+    def logits(self, base: Llama, out, vocab: DraftVocab | None = None):
+        """Logits over the children of entries with layer outputs out [..., D]: [..., V], or [..., N]
+        over the engine's draft vocabulary."""
+        raise NotImplementedError
+
+    def init(self, base: Llama, batch: int, cache_len: int, mesh=None) -> EagleState:
+        c = base.cfg
+        cache = KVCache.zeros(1, batch, cache_len, c.num_kv_heads, c.head_dim, base.dtype)
+        return EagleState(constrain_cache(cache, mesh), jnp.zeros((batch, c.hidden_size), base.dtype))
+
+    def _run(self, base, tokens, feature, positions, mask, cache):
+        attn_in, residual = self.entry(base, tokens, feature)
+        return self.layer(attn_in, residual, positions, mask, cache)
+
+    def commit(self, base: Llama, state: EagleState, new: Committed, count, live) -> EagleState:
+        """The T new entries, causal over the committed ones; only the first count[b] are kept (the
+        cache advances by count: later slots are overwritten before anything reads them)."""
+        c = state.cache
+        t = new.tokens.shape[1]
+        feature = self.committed_feature(base, new.hidden, new.features)
+        positions = c.lengths[:, None] + jnp.arange(t)[None, :]
+        out, cache = self._run(base, new.tokens, feature, positions, causal_mask(c.lengths, t, c.max_len), c)
+        last = jnp.take_along_axis(out, (count - 1)[:, None, None], axis=1)[:, 0]
+        return EagleState(cache.advance(jnp.where(live, count, 0)), jnp.where(live[:, None], last, state.context))
+
+    def expand(self, base: Llama, state: EagleState, frontier: Frontier, vocab: DraftVocab | None = None):
+        """The root scores from the context; a deeper level runs its nodes as entries L - 1 + depth in
+        slots L - 1 + slot (a level's slots are contiguous, so one write at its first slot), reading the
+        committed entries and its ancestors. The draft entries stay beyond the committed length."""
+        if frontier.carry is None:
+            out = state.context[:, None]
+        else:
+            c = state.cache
+            at = c.lengths - 1
+            here = c.replace(lengths=at + frontier.slots[:, 0])
+            mask = tree_mask(at, frontier.ancestors, c.max_len)
+            out, here = self._run(base, frontier.tokens, frontier.carry, frontier.positions - 1, mask, here)
+            state = state.replace(cache=here.replace(lengths=c.lengths))
+        return self.logits(base, out, vocab), out, state
+
+    def unroll(self, base: Llama, hidden, features, tokens, noise=None) -> jax.Array:
+        """Training-time test: [K, B, T, D] the layer's output at step k and position t, the feature a
+        chain drafted from root x_{t+1} predicts at depth k (scoring x_{t+2+k}); each step is fed the
+        true tokens and the previous step's outputs. hidden [B, T, D], features [B, T, F, D] or None,
+        tokens [B, T]; noise [B, T, D] is added to the target features (EAGLE-1's augmentation)."""
+        b, t = tokens.shape
+        shifted = lambda n: jnp.concatenate([tokens[:, n:], jnp.zeros((b, min(n, t)), tokens.dtype)], 1)[:, :t]
+        feature = self.committed_feature(base, hidden, features)
+        if noise is not None:
+            feature = feature + noise.astype(feature.dtype)
+        pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        diagonal = jnp.eye(t, dtype=bool)
+        keys, values, blocks, outs = [], [], [], []
+        for k in range(self.num_heads):
+            attn_in, residual = self.entry(base, shifted(k + 1), feature)
+            q, kk, vv = self.layer.project(attn_in, pos + k)
+            keys.append(kk)
+            values.append(vv)
+            blocks.append(causal if k == 0 else diagonal)
+            mask = jnp.broadcast_to(jnp.concatenate(blocks, 1), (b, t, t * (k + 1)))
+            feature = self.layer.over(q, jnp.concatenate(keys, 2), jnp.concatenate(values, 2), mask, residual)
+            outs.append(feature)
+        return jnp.stack(outs)
+
+    def drafts(self, base: Llama, hidden, features, tokens, key=None):
+        """(outputs [K, B, T, D], logits [K, B, T, V]) of `unroll` for training; with a key, target
+        features get U(-w/2, w/2) noise, w = feature_noise."""
+        noise = None
+        if key is not None and self.feature_noise:
+            noise = self.feature_noise * (jax.random.uniform(key, hidden.shape, jnp.float32) - 0.5)
+        out = self.unroll(base, hidden, features, tokens, noise)
+        return out, self.logits(base, out)
+
+
+class Eagle(EagleDrafter):
+    """EAGLE-1: x = FC([E(x_{t+1}); f_t]) (2D -> D, bias) into one decoder layer without an input norm,
+    f_t the base model's last hidden state before the final norm; the output predicts f_{t+1}, scored by
+    the base model's frozen final norm and lm_head. Trained with uniform noise of width 0.2 on the
+    target features (the authors' AddUniformNoise(std=0.2) also scales it by 512 / sequence length)."""
+
+    feature_noise = 0.2
+
+    def __init__(self, hcfg, base: Llama, *, rngs: nnx.Rngs):
+        cfg, dtype, d = base.cfg, base.dtype, base.cfg.hidden_size
+        super().__init__(hcfg, base, DraftLayer(cfg, d, dtype=dtype, rngs=rngs))
+        self.fc = Linear(2 * d, d, ("embed", "embed_out"), bias=True, dtype=dtype, rngs=rngs)
+
+    def committed_feature(self, base, hidden, features):
+        return hidden
+
+    def entry(self, base, tokens, feature):
+        e = jax.lax.stop_gradient(base.embed_tokens(tokens, feature.dtype))
+        x = self.fc(jnp.concatenate([e, feature], -1))
+        return x, x
+
+    def logits(self, base, out, vocab=None):
+        normed = base.norm(out)
+        return base.logits(normed) if vocab is None else vocab.logits(normed)
+
+
+class Eagle3(EagleDrafter):
+    """EAGLE-3: committed features g = FC([low; mid; high]) (3D -> D, no bias) of the base layers
+    `low_mid_high(L)`; attention reads [input_norm(E(x)); hidden_norm(g)] (2D), g the residual; a
+    draft entry's g is its parent's output. Scored by a norm and lm_head of its own over the draft
+    vocabulary `ids` (hcfg.draft_vocab tokens, 0: all; `set_vocab` picks them), initialised from the
+    base model's final norm and lm_head rows."""
+
+    def __init__(self, hcfg, base: Llama, *, rngs: nnx.Rngs):
+        cfg, dtype, d = base.cfg, base.dtype, base.cfg.hidden_size
+        super().__init__(hcfg, base, DraftLayer(cfg, 2 * d, dtype=dtype, rngs=rngs))
+        self.feature_layers = low_mid_high(cfg.num_layers)
+        self.fc = Linear(3 * d, d, ("embed", "embed_out"), dtype=dtype, rngs=rngs)
+        self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.norm.weight[...] = jnp.copy(base.norm.weight[...])
+        n = hcfg.draft_vocab or cfg.vocab_size
+        self.lm_head = Linear(d, n, ("embed", "vocab"), dtype=dtype, rngs=rngs)
+        self.ids = DraftIds(jnp.arange(n, dtype=jnp.int32))
+        self.set_vocab(base, self.ids[...])
+
+    def set_vocab(self, base: Llama, ids) -> None:
+        """Draft from token ids [N] (in id order): their base lm_head rows become the draft lm_head."""
+        ids = jnp.asarray(ids, jnp.int32)
+        self.ids[...] = ids
+        rows = jnp.take(base.lm_head_weight(), ids, axis=0)
+        self.lm_head.kernel[...] = rows.T.astype(self.lm_head.kernel[...].dtype)
+
+    def committed_feature(self, base, hidden, features):
+        b, t = features.shape[:2]
+        return self.fc(features.reshape(b, t, -1).astype(base.dtype))
+
+    def entry(self, base, tokens, feature):
+        e = jax.lax.stop_gradient(base.embed_tokens(tokens, feature.dtype))
+        return jnp.concatenate([self.input_layernorm(e), self.hidden_norm(feature)], -1), feature
+
+    def logits(self, base, out, vocab=None):
+        own = self.lm_head(self.norm(out)).astype(jnp.float32)  # [..., N]
+        full = jnp.full(own.shape[:-1] + (base.cfg.vocab_size,), NO_LOGIT, jnp.float32).at[..., self.ids[...]].set(own)
+        return full if vocab is None else vocab.take(full)

@@ -1,0 +1,78 @@
+"""EAGLE-1 and EAGLE-3 draft models: the training-time test drafts what decoding drafts.
+
+(Greedy equals plain on every tree, the draft cache's contents and the tree-versus-chain check are in
+tests/test_drafter.py; sampling in tests/test_spec_sampling.py; heads files in tests/test_checkpoint.py.)
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from clover_jax.config import ModelConfig
+from clover_jax.drafter import Committed
+from clover_jax.heads import HeadsConfig
+from clover_jax.model import Llama, causal_self_mask
+from test_drafter import chain_logits, perturbed
+from train import losses
+
+DEPTH = 3
+
+
+@pytest.fixture(scope="module")
+def base():
+    return Llama(ModelConfig.tiny(num_layers=4), rngs=nnx.Rngs(1))
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_training_drafts_what_decoding_drafts(base, method):
+    """`drafts` step k at position t (the training-time test, fed the true tokens and its own outputs)
+    equals decoding: commit the prefix 0..t, then draft the chain x_{t+1}, x_{t+2}, ... node by node;
+    depth k's logits are step k's."""
+    drafter = perturbed(method, base, DEPTH)
+    b, t_len = 2, 7
+    tokens = jnp.asarray(np.random.default_rng(0).integers(3, base.cfg.vocab_size, (b, t_len)), jnp.int32)
+    out = base(tokens, jnp.broadcast_to(jnp.arange(t_len), (b, t_len)), causal_self_mask(b, t_len),
+               feature_layers=drafter.feature_layers)
+    _, logits = drafter.drafts(base, out.hidden, out.features, tokens)
+    assert logits.shape == (DEPTH, b, t_len, base.cfg.vocab_size)
+    checked = 0
+    for t in range(t_len - 1):
+        n = t + 1  # committed entries 0..t, entry t paired with the root x_{t+1}
+        feats = None if out.features is None else out.features[:, :n]
+        new = Committed(out.hidden[:, :n], out.hidden_normed[:, :n], tokens[:, 1 : n + 1], feats)
+        lens = jnp.full((b,), n, jnp.int32)
+        state = drafter.commit(base, drafter.init(base, b, 32), new, lens, jnp.ones((b,), bool))
+        path = tokens[:, n : min(n + DEPTH, t_len)]
+        for k, got in enumerate(chain_logits(base, drafter, state, path, lens)):
+            np.testing.assert_allclose(got, np.asarray(logits[k, :, t]), atol=2e-4, rtol=2e-4)
+            checked += 1
+    assert checked == 6 + 5 + 4
+
+
+def test_eagle3_scores_only_its_draft_vocabulary(base):
+    """Its own lm_head over N ids, spread back over the vocabulary: other tokens get no probability,
+    and its loss learns the base distribution restricted to those ids."""
+    drafter = perturbed("eagle3", base, 2)
+    ids = jnp.asarray([3, 5, 8, 13, 21, 34], jnp.int32)
+    small = type(drafter)(HeadsConfig("eagle3", 2, draft_vocab=6), base, rngs=nnx.Rngs(0))
+    small.set_vocab(base, ids)
+    np.testing.assert_array_equal(np.asarray(small.lm_head.kernel[...]), np.asarray(base.lm_head_weight()[ids].T))
+    logits = small.logits(base, jnp.ones((2, base.cfg.hidden_size)))
+    probs = np.asarray(jax.nn.softmax(logits, -1))
+    assert probs.shape == (2, base.cfg.vocab_size)
+    np.testing.assert_allclose(probs[:, np.asarray(ids)].sum(-1), 1.0, rtol=1e-6)
+    assert (np.delete(probs, np.asarray(ids), axis=1) == 0).all()
+    # The loss: soft cross-entropy against the base distribution renormalised over the ids.
+    k, b, t, v = 2, 1, 4, base.cfg.vocab_size
+    rng = np.random.default_rng(1)
+    head = jnp.full((k, b, t, v), -1e9).at[..., ids].set(jnp.asarray(rng.normal(size=(k, b, t, 6)), jnp.float32))
+    base_logits = jnp.asarray(rng.normal(size=(b, t, v)), jnp.float32).at[..., ids].add(20.0)
+    tokens, mask = jnp.zeros((b, t), jnp.int32), jnp.ones((b, t))
+    loss, per_head, _, _ = losses.eagle3_loss(None, head, None, base_logits, tokens, mask)
+    # Step 0 counts positions 0 and 1 (token t+2 inside the window); position t's target is the base at t+1.
+    ce = lambda pos: -(jax.nn.softmax(base_logits[0, pos + 1, ids]) * jax.nn.log_softmax(head[0, 0, pos, ids])).sum()
+    want = (ce(0) + ce(1)) / 2
+    np.testing.assert_allclose(per_head[0], want, rtol=1e-5)
+    np.testing.assert_allclose(loss, per_head[0] + 0.8 * per_head[1], rtol=1e-6)
