@@ -37,9 +37,10 @@ from clover_jax.errors import CloverError
 from clover_jax.sampling import SamplingConfig
 from clover_jax.sharding import make_mesh
 from clover_jax.tree import auto_tree
-from infer import cli, report
+from clover_jax import cli
+from infer import report
 from infer.bandwidth import BandwidthProbe, plain_efficiency, plain_phases
-from infer.conversation import answer_turns, record_turns
+from clover_jax.conversation import answer_turns, record_turns
 from infer.generate import DTYPES, METHODS, make_generator
 from infer.profiling import profile_folder, profile_ops
 from infer.report import Row, label

@@ -27,8 +27,8 @@ from clover_jax.sampling import SamplingConfig
 from clover_jax.sharding import describe_mesh
 from clover_jax.speculative import SpeculativeGenerator
 from clover_jax.tree import resolve_tree
-from infer import cli
-from infer.conversation import answer_turns, record_turns
+from clover_jax import cli
+from clover_jax.conversation import answer_turns, record_turns
 
 METHODS = ("plain",) + methods.BUILT_IN
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}

@@ -12,7 +12,8 @@ import pytest
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import Generator
 from conftest import tiny_llama_checkpoint
-from infer import benchmark, cli, profiling, report
+from clover_jax import cli
+from infer import benchmark, profiling, report
 
 
 def test_benchmark_runs_and_reports(tmp_path, capsys):

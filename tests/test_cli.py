@@ -23,7 +23,8 @@ from clover_jax.errors import CloverError
 from clover_jax.model import Llama
 from clover_jax.sampling import SamplingConfig
 from conftest import tiny_llama_checkpoint
-from infer import cli, conversation, generate
+from clover_jax import cli, conversation
+from infer import generate
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FLAGS = ("--model", "--prompt", "--prompts", "--chat", "--method", "--max-new-tokens", "--temperature",
@@ -504,3 +505,19 @@ def test_ci_runs_the_readmes_test_command():
     readme = (REPO / "README.md").read_text()
     [command] = [line for line in readme.splitlines() if "python -m pytest" in line]
     assert command in (REPO / ".ci" / "run").read_text().splitlines()
+
+
+def test_layers_read_library_then_tools():
+    """The library imports no tool package, and the training tools do not import the inference ones:
+    what both use lives in clover_jax (cli, conversation)."""
+    import ast
+
+    def imported(path):
+        tree = ast.parse(path.read_text())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        return names + [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+
+    for package, banned in (("clover_jax", ("infer", "train")), ("train", ("infer",))):
+        for path in sorted((REPO / package).glob("*.py")):
+            bad = [m for m in imported(path) if m.split(".")[0] in banned]
+            assert not bad, f"{path.relative_to(REPO)} imports {bad}"

@@ -19,7 +19,7 @@ from clover_jax.convert import load_pretrained
 from clover_jax.errors import CloverError
 from clover_jax.gguf_import import gguf_checkpoint, unpermute_rope_rows
 from clover_jax.model import causal_self_mask
-from infer import cli
+from clover_jax import cli
 
 TOKENS = [chr(33 + i) for i in range(64)]  # one printable character per id, all in the byte-level alphabet
 _LAYER = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",

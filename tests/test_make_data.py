@@ -17,7 +17,7 @@ from clover_jax.errors import CloverError
 from clover_jax.model import causal_self_mask
 from clover_jax.sampling import SamplingConfig
 from conftest import save_tiny_llama, tiny_llama_checkpoint, tiny_tokenizer
-from infer import cli, conversation
+from clover_jax import cli, conversation
 from train import make_data
 from train.data import HeadDataset
 

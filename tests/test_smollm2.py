@@ -14,7 +14,7 @@ from clover_jax import sources
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import Generator
 from clover_jax.model import causal_self_mask
-from infer import cli
+from clover_jax import cli
 
 QUESTION = "What is the capital of France? Answer in one sentence."
 

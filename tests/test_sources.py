@@ -12,7 +12,7 @@ import pytest
 
 from clover_jax import sources
 from clover_jax.errors import CloverError
-from infer import cli
+from clover_jax import cli
 
 MEMBER = "fake_pkg/data/records.json"
 RECORDS = [{"conversations": [{"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": f"answer {i}"}]}

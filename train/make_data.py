@@ -54,8 +54,8 @@ from clover_jax.files import atomic_path, temporary_name, write_text
 from clover_jax.model import Llama, causal_self_mask
 from clover_jax.sampling import SamplingConfig
 from clover_jax.sharding import make_mesh, put_batch
-from infer import cli
-from infer.conversation import answer_turns, encode_conversation, masked_ids, record_turns
+from clover_jax import cli
+from clover_jax.conversation import answer_turns, encode_conversation, masked_ids, record_turns
 from train.answers import AnswerStore
 from train.data import FILES, HIDDEN_DTYPES, META
 

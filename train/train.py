@@ -35,7 +35,7 @@ from clover_jax.errors import CloverError
 from clover_jax.heads import HeadsConfig, make_heads
 from clover_jax.model import Llama, causal_self_mask
 from clover_jax.sharding import onto_mesh, put_batch, shard_module
-from infer import cli
+from clover_jax import cli
 from train import losses
 from train.data import HeadDataset
 from train.runs import MetricsLog, pin_run, restore_latest, stop_due, stop_on_interrupt

@@ -1,8 +1,9 @@
 """What the command-line tools share: the default model, prompt files, tokenizing, EOS ids, output
-folders, exit codes.
+folders, exit codes, common flags.
 
-`infer.generate` and the benchmark read the same prompt files and turn text into ids the same way, so
-both live here. Everything a user can get wrong becomes a `CloverError`; `run_main` turns it into one
+`infer.generate`, the benchmark and the training tools (`train.make_data`, `train.train`) read the same
+prompt files and turn text into ids the same way, so it lives in the library, which the tools of both
+`infer/` and `train/` import; neither tool package imports the other. Everything a user can get wrong becomes a `CloverError`; `run_main` turns it into one
 `error: ...` line on stderr and exit status 2.
 """
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from clover_jax.errors import CloverError
-from infer import cli
+from clover_jax import cli
 
 _USER = ("human", "user")
 _ASSISTANT = ("gpt", "assistant", "chatgpt")
