@@ -103,6 +103,12 @@ class DraftVocab:
         """Token ids of subset indices."""
         return jnp.take(self.ids, index, axis=0)
 
+    def index_of(self, tokens: jax.Array, vocab_size: int) -> jax.Array:
+        """Subset indices of token ids (any shape), -1 for a token outside the subset: the inverse of
+        `token`, which training over the subset needs for its targets."""
+        table = jnp.full((vocab_size,), -1, jnp.int32).at[self.ids].set(jnp.arange(self.size, dtype=jnp.int32))
+        return jnp.take(table, tokens, axis=0)
+
     def expand(self, q: jax.Array, vocab_size: int) -> jax.Array:
         """A distribution over the subset [..., N] as one over the whole vocabulary [..., V] (0 elsewhere),
         the q that speculative sampling's acceptance and residuals are taken against."""

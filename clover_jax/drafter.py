@@ -15,7 +15,8 @@ cache of its own (EAGLE's draft layer) writes each frontier node at slot length 
 reads the committed prefix plus `frontier.ancestors`, the mask verification uses; heads that need
 neither (Medusa, Clover) ignore them. `feature_layers` names the base layers whose outputs (from the
 same forward pass) reach `commit` as `Committed.features`: EAGLE-3's low, middle and high ones.
-Training: the method's registry entry names the loss (`methods.Method.loss`).
+Training: the method's registry entry names the loss (`methods.Method.loss`); `loss_vocab` says which
+tokens that loss scores (a training run may restrict it to the most frequent ones, as decoding does).
 """
 
 from __future__ import annotations
@@ -66,3 +67,8 @@ class Drafter:
 
     def expand(self, base, state, frontier: Frontier, vocab=None):
         raise NotImplementedError
+
+    def loss_vocab(self, base, vocab):
+        """The vocabulary training scores this drafter over (a `draft_vocab.DraftVocab`, or None for the
+        whole one): the one the run asked for, unless the drafter has one of its own."""
+        return vocab

@@ -177,14 +177,18 @@ class EagleDrafter(nnx.Module, Drafter):
             outs.append(feature)
         return jnp.stack(outs)
 
-    def drafts(self, base: Llama, hidden, features, tokens, key=None):
-        """(outputs [K, B, T, D], logits [K, B, T, V]) of `unroll` for training; with a key, target
-        features get U(-w/2, w/2) noise, w = feature_noise."""
+    def drafts(self, base: Llama, hidden, features, tokens, key=None, vocab: DraftVocab | None = None):
+        """(outputs [K, B, T, D], logits [K, B, T, V or N]) of `unroll` for training, over the whole
+        vocabulary or the loss vocabulary `vocab` (`loss_vocab`); with a key, target features get
+        U(-w/2, w/2) noise, w = feature_noise."""
         noise = None
         if key is not None and self.feature_noise:
             noise = self.feature_noise * (jax.random.uniform(key, hidden.shape, jnp.float32) - 0.5)
         out = self.unroll(base, hidden, features, tokens, noise)
-        return out, self.logits(base, out)
+        return out, self.train_logits(base, out, vocab)
+
+    def train_logits(self, base: Llama, out, vocab: DraftVocab | None):
+        return self.logits(base, out, vocab)
 
 
 class Eagle(EagleDrafter):
@@ -248,6 +252,15 @@ class Eagle3(EagleDrafter):
     def entry(self, base, tokens, feature):
         e = jax.lax.stop_gradient(base.embed_tokens(tokens, feature.dtype))
         return jnp.concatenate([self.input_layernorm(e), self.hidden_norm(feature)], -1), feature
+
+    def loss_vocab(self, base: Llama, vocab: DraftVocab | None) -> DraftVocab:
+        """Its own draft vocabulary, whatever was asked: EAGLE-3 learns over the tokens it drafts."""
+        return DraftVocab(ids=self.ids[...], rows=jnp.take(base.lm_head_weight(), self.ids[...], axis=0))
+
+    def train_logits(self, base: Llama, out, vocab: DraftVocab | None):
+        """Over its own draft vocabulary [..., N] when `vocab` is given (`loss_vocab`'s: the same ids),
+        so training never spreads them over the whole vocabulary."""
+        return self.logits(base, out) if vocab is None else self.lm_head(self.norm(out)).astype(jnp.float32)
 
     def logits(self, base, out, vocab=None):
         own = self.lm_head(self.norm(out)).astype(jnp.float32)  # [..., N]

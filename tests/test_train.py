@@ -28,6 +28,7 @@ from safetensors.numpy import load_file
 
 from clover_jax.checkpoint import load_heads
 from clover_jax.convert import load_pretrained
+from clover_jax.draft_vocab import DraftVocab, token_counts
 from clover_jax.errors import CloverError
 from clover_jax.heads import HeadsConfig, make_heads
 from clover_jax.methods import BUILT_IN as METHODS, SHIPPED as HEADS
@@ -429,18 +430,74 @@ def other_base(tok, tmp_path_factory):
     return save_tiny_llama(out, tok.get_vocab_size(), seed=1)
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_a_loss_vocabulary_of_every_token_is_the_whole_vocabulary_loss(method, trained, model_dir, datasets):
+    """--loss-vocab scores heads and base over a subset: with every token in it, in id order, the loss,
+    per-head losses, accuracies and hits are the whole-vocabulary ones (the same computation)."""
+    base = _base(model_dir)
+    batch = _batches(datasets[DATA_OF[method]])
+    heads = load_heads(trained[method][0], base, method)
+    every = DraftVocab.most_frequent(base.lm_head_weight(), None, base.cfg.vocab_size)
+    whole = train.head_loss(heads, base, batch, with_hits=True)
+    subset = train.head_loss(heads, base, batch, with_hits=True, vocab=every)
+    np.testing.assert_allclose(subset[0], whole[0], rtol=1e-5)
+    for name in ("head_loss", "top1", "top5"):
+        np.testing.assert_allclose(subset[1][name], whole[1][name], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(subset[1]["hits"], whole[1]["hits"])
+
+
+@pytest.mark.parametrize("method", ["medusa", "clover2", "eagle"])
+def test_a_loss_vocabulary_scores_only_its_tokens(method, trained, model_dir, datasets):
+    """A target outside the subset is no target of the loss, and a miss in the accuracies (as in
+    decoding): only tokens of the subset are ever hit, and a subset of tokens the responses never use
+    has no loss and no hit."""
+    base = _base(model_dir)
+    batch = _batches(datasets[DATA_OF[method]])
+    heads = load_heads(trained[method][0], base, method)
+    counts = token_counts(np.asarray(batch["tokens"]).ravel(), np.asarray(batch["loss_mask"]).ravel(),
+                          base.cfg.vocab_size)
+    half = DraftVocab.most_frequent(base.lm_head_weight(), counts, int((counts > 0).sum()) // 2)
+    loss, m = train.head_loss(heads, base, batch, vocab=half, with_hits=True)
+    assert np.isfinite(float(loss)) and float(loss) > 0
+    targets, _ = losses.targets_and_masks(batch["tokens"], batch["loss_mask"], heads.num_heads)
+    assert not np.isin(np.asarray(targets)[np.asarray(m["hits"])], np.asarray(half.ids), invert=True).any()
+    none = DraftVocab.most_frequent(base.lm_head_weight(), -counts, 8)  # eight tokens the responses never use
+    assert not np.isin(np.asarray(none.ids), np.flatnonzero(counts)).any()
+    loss, m = train.head_loss(heads, base, batch, vocab=none)
+    if method != "eagle":  # EAGLE-1's feature regression counts only where a target is
+        assert float(loss) == 0.0
+    np.testing.assert_array_equal(m["top1"], 0.0)
+
+
+def test_index_of_inverts_token():
+    vocab = DraftVocab(ids=jnp.asarray([2, 5, 7], jnp.int32), rows=jnp.zeros((3, 4)))
+    np.testing.assert_array_equal(vocab.index_of(jnp.asarray([[7, 2], [3, 5]]), 9), [[2, 0], [-1, 1]])
+    np.testing.assert_array_equal(vocab.token(vocab.index_of(vocab.ids, 9)), vocab.ids)
+
+
+def test_training_over_a_loss_vocabulary_exports_working_heads(model_dir, datasets, tmp_path, capsys):
+    code, out, err = _train(capsys, model_dir, datasets["hidden"], tmp_path / "out", tmp_path / "work", "clover2",
+                            "--loss-vocab", 24)
+    assert code == 0, err
+    meta = json.loads((tmp_path / "out" / "heads.json").read_text())
+    assert meta["training"]["loss_vocab"] == 24
+
+
 @pytest.mark.parametrize("case", ["missing dir", "empty dir", "foreign meta", "other base", "seq-len too long",
-                                  "zero steps", "out under a file", "work dir under a file", "draft vocab of heads"])
+                                  "zero steps", "out under a file", "work dir under a file", "draft vocab of heads",
+                                  "loss vocab of eagle3", "loss vocab too large"])
 def test_bad_input_is_one_error_line_and_exit_2(case, model_dir, other_base, datasets, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "meta.json").write_text('{"created_by": "someone else"}')
-    base, data, extra = model_dir, datasets["plain"], []
+    base, data, extra, method = model_dir, datasets["plain"], [], "clover"
     needle = {"missing dir": "no such dataset directory", "empty dir": "no meta.json",
               "foreign meta": "not a meta.json written by train.make_data",
               "other base": "made with another base model", "seq-len too long": "exceeds the base model's context",
               "zero steps": "--steps must be >= 1",
               "draft vocab of heads": "--draft-vocab is EAGLE-3's own lm_head; clover drafts from the base model's",
+              "loss vocab of eagle3": "EAGLE-3 scores its own draft vocabulary; set its size with --draft-vocab",
+              "loss vocab too large": "--loss-vocab 100000 must be in [1, ",
               "out under a file": f"--out: cannot create the folder {tmp_path / 'a-file' / 'heads'}: "
                                   f"{tmp_path / 'a-file'} is a file",
               "work dir under a file": f"--work-dir: cannot create the folder {tmp_path / 'a-file' / 'work'}: "
@@ -460,13 +517,17 @@ def test_bad_input_is_one_error_line_and_exit_2(case, model_dir, other_base, dat
         extra = ["--steps", 0]
     elif case == "draft vocab of heads":
         extra = ["--draft-vocab", 8]
+    elif case == "loss vocab of eagle3":
+        method, extra = "eagle3", ["--loss-vocab", 8]
+    elif case == "loss vocab too large":
+        extra = ["--loss-vocab", 100000]
     elif case == "out under a file":
         (tmp_path / "a-file").write_text("")
         out = tmp_path / "a-file" / "heads"  # refused before any training, not when the heads are saved
     else:
         (tmp_path / "a-file").write_text("")
         work = tmp_path / "a-file" / "work"
-    code, stdout, err = _train(capsys, base, data, out, work, "clover", *extra)
+    code, stdout, err = _train(capsys, base, data, out, work, method, *extra)
     assert (code, stdout) == (2, ""), err
     assert err.startswith("error: ") and err.count("\n") == 1, err
     assert needle in err, err

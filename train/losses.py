@@ -49,6 +49,13 @@ def masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.sum(values * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
+def targets_and_masks(tokens, loss_mask, k_heads):
+    """(targets [K, B, T], masks [K, B, T]): head k's target at t is token t+2+k, counted where
+    `target_mask` says."""
+    return (jnp.stack([shift_left(tokens, k + 2) for k in range(k_heads)]),
+            jnp.stack([target_mask(loss_mask, k) for k in range(k_heads)]))
+
+
 def head_weights(num_heads: int) -> jax.Array:
     return HEAD_DECAY ** jnp.arange(num_heads, dtype=jnp.float32)
 
@@ -57,8 +64,7 @@ def cross_entropy_loss(head_logits: jax.Array, tokens: jax.Array, loss_mask: jax
     """Medusa / Clover. head_logits [K, B, T, V], tokens and loss_mask [B, T].
     Returns (weighted loss, per-head losses [K], per-head masks [K, B, T], per-head targets [K, B, T])."""
     k_heads = head_logits.shape[0]
-    targets = jnp.stack([shift_left(tokens, k + 2) for k in range(k_heads)])
-    masks = jnp.stack([target_mask(loss_mask, k) for k in range(k_heads)])
+    targets, masks = targets_and_masks(tokens, loss_mask, k_heads)
     ce = optax.softmax_cross_entropy_with_integer_labels(head_logits.astype(jnp.float32), targets)
     per_head = jax.vmap(masked_mean)(ce, masks)
     return jnp.sum(head_weights(k_heads) * per_head), per_head, masks, targets
@@ -69,8 +75,7 @@ def distill_loss(head_hidden: jax.Array, head_logits: jax.Array, base_normed: ja
     """Clover-2. head_hidden [K, B, T, D], head_logits [K, B, T, V]; base_normed [B, T, D] and
     base_logits [B, T, V] of the base model at every position. Same returns as `cross_entropy_loss`."""
     k_heads = head_hidden.shape[0]
-    targets = jnp.stack([shift_left(tokens, k + 2) for k in range(k_heads)])
-    masks = jnp.stack([target_mask(loss_mask, k) for k in range(k_heads)])
+    targets, masks = targets_and_masks(tokens, loss_mask, k_heads)
     per_head = []
     for k in range(k_heads):
         h_target = jax.lax.stop_gradient(shift_left(base_normed, k + 1))
@@ -86,11 +91,6 @@ def method_cross_entropy(head_hidden, head_logits, base_normed, base_logits, tok
     return cross_entropy_loss(head_logits, tokens, loss_mask)
 
 
-def _targets_and_masks(tokens, loss_mask, k_heads):
-    return (jnp.stack([shift_left(tokens, k + 2) for k in range(k_heads)]),
-            jnp.stack([target_mask(loss_mask, k) for k in range(k_heads)]))
-
-
 def eagle_loss(head_hidden, head_logits, base_normed, base_logits, tokens, loss_mask, base_hidden=None):
     """EAGLE-1 on the training-time test's steps (`eagle.EagleDrafter.unroll`): at step k the draft
     layer's output predicts the base model's feature at t+1+k (before the final norm, base_hidden
@@ -98,7 +98,7 @@ def eagle_loss(head_hidden, head_logits, base_normed, base_logits, tokens, loss_
     there. EAGLE-1 trains the first step alone (on the target features); the deeper steps are scored
     (per-head losses, accuracy) but weighted 0."""
     k_heads = head_hidden.shape[0]
-    targets, masks = _targets_and_masks(tokens, loss_mask, k_heads)
+    targets, masks = targets_and_masks(tokens, loss_mask, k_heads)
     per_head = []
     for k in range(k_heads):
         f_target = jax.lax.stop_gradient(shift_left(base_hidden, k + 1))
@@ -115,7 +115,7 @@ def eagle3_loss(head_hidden, head_logits, base_normed, base_logits, tokens, loss
     by soft cross-entropy, where the base model's own choice there is in that vocabulary. No feature
     loss."""
     k_heads = head_logits.shape[0]
-    targets, masks = _targets_and_masks(tokens, loss_mask, k_heads)
+    targets, masks = targets_and_masks(tokens, loss_mask, k_heads)
     in_vocab = head_logits[0, :1, :1] > -1e8  # [1, 1, V]: the draft vocabulary
     per_head = []
     for k in range(k_heads):

@@ -43,10 +43,12 @@ from train.runs import MetricsLog, pin_run, restore_latest, stop_due, stop_on_in
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def base_states(base: Llama, tokens: jax.Array, hidden: jax.Array | None, feature_layers: tuple[int, ...] = ()):
+def base_states(base: Llama, tokens: jax.Array, hidden: jax.Array | None, feature_layers: tuple[int, ...] = (),
+                vocab: DraftVocab | None = None):
     """(hidden, hidden_normed, logits, features) of the frozen base at every position: from stored hidden
     states when the dataset has them and no inner layer is asked for, else from a forward pass (features
-    [B, T, F, D]: the outputs of `feature_layers`, None without); never differentiated."""
+    [B, T, F, D]: the outputs of `feature_layers`, None without); logits over `vocab` (None: the whole
+    vocabulary); never differentiated."""
     features = None
     if hidden is None or feature_layers:
         b, t = tokens.shape
@@ -56,22 +58,37 @@ def base_states(base: Llama, tokens: jax.Array, hidden: jax.Array | None, featur
         features = None if features is None else jax.lax.stop_gradient(features)
     hidden = jax.lax.stop_gradient(hidden.astype(base.dtype))
     normed = base.norm(hidden)
-    return hidden, normed, jax.lax.stop_gradient(base.logits(normed)), features
+    logits = base.logits(normed) if vocab is None else vocab.logits(normed)
+    return hidden, normed, jax.lax.stop_gradient(logits), features
 
 
-def head_loss(heads: Drafter, base: Llama, batch: dict, with_hits: bool = False, key: jax.Array | None = None):
+def head_loss(heads: Drafter, base: Llama, batch: dict, with_hits: bool = False, key: jax.Array | None = None,
+              vocab: DraftVocab | None = None):
     """(loss, metrics) of one batch: the method's loss plus per-head losses and top-1/top-5 accuracy;
     `with_hits` adds each head's top-1 hits [K, B, T] (`losses.top1_hits`), which evaluation replays.
-    `key`: a training step's randomness (EAGLE-1's feature noise); None in evaluation."""
+    `key`: a training step's randomness (EAGLE-1's feature noise); None in evaluation.
+
+    `vocab` (a loss vocabulary, `--loss-vocab`): heads and base model are scored over its N tokens
+    only, the distributions renormalised over them, which makes the vocabulary projections V/N times
+    cheaper; a response token outside it is no target of the loss, but still a miss in the accuracies
+    and the chain tau, as it is for decoding's draft vocabulary."""
     tokens, mask = batch["tokens"], batch["loss_mask"]
-    hidden, normed, base_logits, features = base_states(base, tokens, batch.get("hidden"), heads.feature_layers)
+    vocab = heads.loss_vocab(base, vocab)
+    hidden, normed, base_logits, features = base_states(base, tokens, batch.get("hidden"), heads.feature_layers,
+                                                        vocab)
     if isinstance(heads, EagleDrafter):  # a draft model's training-time test: [K, B, T, D] and its own logits
-        head_hidden, head_logits = heads.drafts(base, hidden, features, tokens, key)
+        head_hidden, head_logits = heads.drafts(base, hidden, features, tokens, key, vocab)
     else:
         head_hidden = heads.unroll(base, hidden, normed, tokens)  # [K, B, T, D]
-        head_logits = base.logits(head_hidden)
+        head_logits = base.logits(head_hidden) if vocab is None else vocab.logits(head_hidden)
+    labels, label_mask = tokens, mask
+    if vocab is not None:
+        labels = vocab.index_of(tokens, base.cfg.vocab_size)  # [B, T], -1 outside the loss vocabulary
+        label_mask = mask * (labels >= 0)
     method_loss = losses.LOSSES[methods.get(heads.hcfg.method).loss]
-    loss, per_head, masks, targets = method_loss(head_hidden, head_logits, normed, base_logits, tokens, mask, hidden)
+    loss, per_head, _, _ = method_loss(head_hidden, head_logits, normed, base_logits, jnp.maximum(labels, 0),
+                                       label_mask, hidden)
+    targets, masks = losses.targets_and_masks(labels, mask, head_logits.shape[0])
     metrics = {"loss": loss, "head_loss": per_head,
                "top1": losses.topk_accuracy(head_logits, targets, masks, 1),
                "top5": losses.topk_accuracy(head_logits, targets, masks, 5)}
@@ -102,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Clover-2 token embeddings: a frozen copy of lm_head, or the input embedding table")
     p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                    help="EAGLE-3: its lm_head scores the N most frequent response tokens of the data (0: all)")
+    p.add_argument("--loss-vocab", type=int, default=0, metavar="N",
+                   help="score the losses over the N most frequent response tokens of the data only (0: the "
+                        "whole vocabulary), as decoding drafts from a draft vocabulary: the vocabulary "
+                        "projections, most of a step on a CPU, cost N/V as much (SmolLM2: 8192 of 49,152). "
+                        "EAGLE-3 always scores its own --draft-vocab")
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps (the schedule's length)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per training window")
@@ -166,6 +188,12 @@ def run(args) -> int:
         if args.draft_vocab > base.cfg.vocab_size:
             raise CloverError(f"--draft-vocab {args.draft_vocab} exceeds the vocabulary ({base.cfg.vocab_size})")
         heads.set_vocab(base, DraftVocab.most_frequent(base.lm_head_weight(), counts, args.draft_vocab).ids)
+    if args.loss_vocab:
+        if isinstance(heads, Eagle3):
+            raise CloverError("EAGLE-3 scores its own draft vocabulary; set its size with --draft-vocab, not --loss-vocab")
+        if not 0 < args.loss_vocab <= base.cfg.vocab_size:
+            raise CloverError(f"--loss-vocab {args.loss_vocab} must be in [1, {base.cfg.vocab_size}] (the vocabulary)")
+    loss_vocab = DraftVocab.most_frequent(base.lm_head_weight(), counts, args.loss_vocab) if args.loss_vocab else None
     # Float32 master weights; the forward casts them to the activations' dtype.
     nnx.update(heads, jax.tree.map(lambda x: x.astype(jnp.float32), nnx.state(heads, nnx.Param)))
     if mesh is not None:
@@ -192,7 +220,7 @@ def run(args) -> int:
 
     def loss_on(p, bp, batch, with_hits=False, key=None):
         return head_loss(nnx.merge(head_graphdef, p, fixed), nnx.merge(base_graphdef, jax.lax.stop_gradient(bp)),
-                         batch, with_hits, key)
+                         batch, with_hits, key, loss_vocab)
 
     @jax.jit
     def train_step(p, opt_state, bp, batch, step):
