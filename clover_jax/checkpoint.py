@@ -48,19 +48,24 @@ def _name(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
 
-def _stored_params(heads: Heads) -> dict[str, np.ndarray]:
-    """The heads' parameters as the file holds them: by dotted path, q/k/v apart (`layers.to_stored`)."""
-    return {_name(part): array for path, var in nnx.to_flat_state(nnx.state(heads, SAVED))
+def _stored_params(heads: Heads, dtype=None) -> dict[str, np.ndarray]:
+    """The heads' parameters as the file holds them: by dotted path, q/k/v apart (`layers.to_stored`),
+    floating ones cast to `dtype` (None: as they are; token ids keep theirs)."""
+    def cast(a: np.ndarray) -> np.ndarray:
+        return a if dtype is None or np.issubdtype(a.dtype, np.integer) else a.astype(dtype)
+    return {_name(part): cast(array) for path, var in nnx.to_flat_state(nnx.state(heads, SAVED))
             for part, array in to_stored(path, np.asarray(jax.device_get(var[...])))}
 
 
 def save_heads(heads: Heads, base: Llama, out_dir: str | Path, extra: dict | None = None,
-               token_counts: np.ndarray | None = None) -> Path:
+               token_counts: np.ndarray | None = None, dtype=None) -> Path:
     """Write the heads and their config (plus `extra` metadata, e.g. training figures) to `out_dir`,
-    and the counts of the tokens they were trained to predict (for a draft vocabulary) when given."""
+    and the counts of the tokens they were trained to predict (for a draft vocabulary) when given.
+    `dtype` (e.g. bfloat16, half the bytes of float32 training weights): what the weights are stored
+    in; loading casts them to the base model's."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_safetensors(_stored_params(heads), out / WEIGHTS)
+    write_safetensors(_stored_params(heads, dtype), out / WEIGHTS)
     if token_counts is not None:
         write_safetensors({"counts": np.asarray(token_counts, np.int64)}, out / COUNTS)
     elif (out / COUNTS).exists():  # counts of the heads this export replaces

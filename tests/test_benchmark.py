@@ -13,7 +13,7 @@ from clover_jax.convert import load_pretrained
 from clover_jax.decode import Generator
 from conftest import tiny_llama_checkpoint
 from clover_jax import cli
-from infer import benchmark, profiling, report
+from infer import benchmark, profiling, report, tasks
 
 
 def test_benchmark_runs_and_reports(tmp_path, capsys):
@@ -192,21 +192,21 @@ def test_later_turns_are_asked_after_plain_greedy_answers(tmp_path, capsys):
 def test_per_task_figures_are_each_tasks_own_prompts_and_batches():
     """Spec-Bench's tasks: tau and tokens/s over each task's prompts alone; a time only where no batch
     mixes in another task's prompts."""
-    assert [benchmark.task_of(r) for r in ({"category": "writing"}, {"category": "humanities"},
+    assert [tasks.task_of(r) for r in ({"category": "writing"}, {"category": "humanities"},
                                            {"category": "math_reasoning"}, {"category": ""}, {})] == \
         ["mt_bench", "mt_bench", "math_reasoning", None, None]
     seconds = [[1.0, 2.0, 3.0], [3.0, 2.0, 1.0]]  # two timed passes, a time per batch of one
-    got = benchmark.per_task(["a", "a", "b"], [4, 4, 4], [2, 2, 4], seconds, 1)
+    got = tasks.per_task(["a", "a", "b"], [4, 4, 4], [2, 2, 4], seconds, 1)
     assert got == {"a": dict(prompts=2, tau=2.0, new_tokens=8, tokens_per_s=8 / 4.0),  # median(1+2, 3+2) s
                    "b": dict(prompts=1, tau=1.0, new_tokens=4, tokens_per_s=4 / 2.0)}  # median(3, 1) s
-    assert benchmark.per_task(["a", "a", "b"], [4, 4, 4], [2, 2, 4], [[1.0, 3.0], [3.0, 1.0]], 2)["a"][
+    assert tasks.per_task(["a", "a", "b"], [4, 4, 4], [2, 2, 4], [[1.0, 3.0], [3.0, 1.0]], 2)["a"][
         "tokens_per_s"] == 8 / 2.0
-    mixed = benchmark.per_task(["a", "b", "b", None], [4] * 4, [2] * 4, [[1.0, 1.0]], 2)
+    mixed = tasks.per_task(["a", "b", "b", None], [4] * 4, [2] * 4, [[1.0, 1.0]], 2)
     assert mixed["a"]["tokens_per_s"] is None and mixed["b"]["tokens_per_s"] is None and set(mixed) == {"a", "b"}
     # --per-task N: the first N records of each task, in the file's order
     records = [({"category": c, "turns": [str(i)]}, f"q:{i}") for i, c in
                enumerate(["writing", "math", "writing", "qa", "humanities", "qa", "qa"])] + [({"prompt": "x"}, "q:7")]
-    assert [w for _, w in benchmark.first_of_each_task(records, 2)] == ["q:0", "q:1", "q:3", "q:5"]  # math is MT-Bench's
+    assert [w for _, w in tasks.first_of_each_task(records, 2)] == ["q:0", "q:1", "q:3", "q:5"]  # math is MT-Bench's
 
 
 def test_benchmark_reports_spec_bench_tasks(tmp_path, capsys):
@@ -302,7 +302,7 @@ def test_mt_bench_alone_is_broken_down_by_its_categories():
     beside other Spec-Bench tasks, MT-Bench is one task again."""
     records = [({"category": c, "turns": [str(i)]}, f"q:{i}") for i, c in
                enumerate(["writing", "math", "writing", "coding", "stem"])]
-    assert benchmark.tasks_of(records) == ["writing", "math", "writing", "coding", "stem"]
-    assert [w for _, w in benchmark.first_of_each_task(records, 1)] == ["q:0", "q:1", "q:3", "q:4"]
+    assert tasks.tasks_of(records) == ["writing", "math", "writing", "coding", "stem"]
+    assert [w for _, w in tasks.first_of_each_task(records, 1)] == ["q:0", "q:1", "q:3", "q:4"]
     mixed = records + [({"category": "qa", "turns": ["x"]}, "q:5")]
-    assert benchmark.tasks_of(mixed) == ["mt_bench"] * 5 + ["qa"]
+    assert tasks.tasks_of(mixed) == ["mt_bench"] * 5 + ["qa"]

@@ -475,12 +475,23 @@ def test_index_of_inverts_token():
     np.testing.assert_array_equal(vocab.token(vocab.index_of(vocab.ids, 9)), vocab.ids)
 
 
-def test_training_over_a_loss_vocabulary_exports_working_heads(model_dir, datasets, tmp_path, capsys):
-    code, out, err = _train(capsys, model_dir, datasets["hidden"], tmp_path / "out", tmp_path / "work", "clover2",
-                            "--loss-vocab", 24)
+@pytest.mark.parametrize("method", ["clover2", "eagle3"])
+def test_training_over_a_loss_vocabulary_exports_bfloat16_heads(method, model_dir, datasets, tmp_path, capsys):
+    """--loss-vocab trains and exports; --export-dtype bfloat16 stores every weight in bfloat16 (token
+    ids as they are), and the heads load for a float32 base model."""
+    vocab = ["--loss-vocab", 24] if method == "clover2" else ["--draft-vocab", 24]
+    code, out, err = _train(capsys, model_dir, datasets[DATA_OF[method]], tmp_path / "out", tmp_path / "work",
+                            method, *vocab, "--export-dtype", "bfloat16")
     assert code == 0, err
     meta = json.loads((tmp_path / "out" / "heads.json").read_text())
-    assert meta["training"]["loss_vocab"] == 24
+    assert meta["training"]["export_dtype"] == "bfloat16"
+    stored = load_file(str(tmp_path / "out" / "heads.safetensors"))
+    assert {str(a.dtype) for name, a in stored.items() if not name.endswith("ids")} == {"bfloat16"}
+    assert all(a.dtype == np.int32 for name, a in stored.items() if name.endswith("ids"))
+    heads = load_heads(tmp_path / "out", _base(model_dir), method)
+    weights = [np.asarray(v) for v in jax.tree.leaves(nnx.state(heads, nnx.Param))]
+    assert all(w.dtype == np.float32 and np.array_equal(w, w.astype(jnp.bfloat16).astype(np.float32))
+               for w in weights)
 
 
 @pytest.mark.parametrize("case", ["missing dir", "empty dir", "foreign meta", "other base", "seq-len too long",

@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=50, help="linear warmup steps before the cosine decay")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16",
                    help="compute dtype of the base model and heads (optimizer state stays float32)")
+    p.add_argument("--export-dtype", choices=tuple(DTYPES), default="float32",
+                   help="dtype the exported heads are stored in (bfloat16: half the bytes, as shipped heads are); "
+                        "loading casts them to the base model's")
     p.add_argument("--eval-every", type=int, default=100,
                    help="held-out evaluation period (steps): loss, each head's top-1/top-5 accuracy, and the "
                         "chain tau, the tokens per step a chain through every head would reach, from decoding's "
@@ -299,7 +302,7 @@ def run(args) -> int:
     nnx.update(heads, params)
     extra = {"training": {k: v for k, v in vars(args).items() if k != "resume"}, "final_step": args.steps,
              "held_out": ev}
-    save_heads(heads, base, args.out, extra=extra, token_counts=counts)
+    save_heads(heads, base, args.out, extra=extra, token_counts=counts, dtype=DTYPES[args.export_dtype])
     summary = f": held-out top1 {ev['val_top1']}, chain tau {ev['val_chain_tau']:.2f}" if ev else ""
     print(f"saved {args.method} heads to {args.out}{summary}")
     return 0
