@@ -1,0 +1,68 @@
+"""The draft heads shipped for SmolLM2-135M-Instruct (models/smollm2/heads): found by `--model smollm2`,
+greedy output equal to plain decoding's for every method at batch 1 and 4 on chat prompts, theirs and
+no other model's. A file of its own, so the test workers share the SmolLM2 tests' time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from clover_jax import cli, methods
+from clover_jax.checkpoint import base_fingerprint, read_heads_config
+from clover_jax.convert import load_pretrained
+from clover_jax.decode import Generator
+from infer import generate
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = REPO / "models" / "smollm2" / "heads"
+CHAT_PROMPTS = ["What is a KV cache?", "Write a haiku about autumn.", "Give me three tips for learning Python.",
+                "Why is the sky blue?"]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """(float32 model, tokenizer) of `--model smollm2`."""
+    path = cli.model_dir("smollm2")
+    return load_pretrained(path)[1], cli.load_tokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def plain_answers(smollm2):
+    """The chat prompts' ids and plain greedy decoding's 24 tokens for each (never stopping at EOS)."""
+    model, tok = smollm2
+    ids = [cli.encode(tok, p, chat=True) for p in CHAT_PROMPTS]
+    return ids, Generator(model, max_len=256).generate(ids, 24, eos_ids=()).tokens
+
+
+@pytest.mark.parametrize("method", methods.BUILT_IN)
+def test_shipped_heads_decode_exactly_as_plain_decoding(method, smollm2, plain_answers):
+    """`--model smollm2 --method M` finds its shipped heads; greedy, they write plain decoding's tokens:
+    batch 4 on the method's paper tree, batch 1 on the CPU's default chain, from the draft vocabulary."""
+    model, _ = smollm2
+    ids, plain = plain_answers
+    tree = generate.make_generator(model, method, model_path="smollm2", tree="default", max_len=256)
+    assert tree.generate(ids, 24, eos_ids=()).tokens == plain
+    chain = generate.make_generator(model, method, model_path="smollm2", max_len=256)
+    out = chain.generate(ids[:1], 24, eos_ids=())
+    assert out.tokens == plain[:1]
+    assert out.steps < 24  # the heads draft something a real answer accepts
+
+
+def test_shipped_heads_are_smollm2s_and_fit_their_budget(smollm2):
+    model, _ = smollm2
+    for method in methods.BUILT_IN:
+        meta = read_heads_config(SHIPPED / method)
+        assert meta["base_fingerprint"] == base_fingerprint(model) and meta["heads"]["method"] == method
+    size = sum(f.stat().st_size for f in SHIPPED.rglob("*") if f.is_file())
+    assert size < (45 + 30) * 2**20  # Medusa, Clover and Clover-2 under 45 MB, EAGLE-1 and -3 30 MB more
+
+
+@pytest.mark.parametrize("model,heads", [("smollm2", "models/reference/heads/clover2"),
+                                         ("models/reference", "models/smollm2/heads/clover2")])
+def test_heads_of_the_other_model_are_one_error_line(model, heads, smollm2, capsys):
+    code = generate.main(["--model", model, "--method", "clover2", "--heads", str(REPO / heads),
+                          "--prompt", "Hi", "--max-new-tokens", "2"])
+    out, err = capsys.readouterr()
+    assert (code, out) == (2, "")
+    assert err.startswith("error: ") and err.count("\n") == 1 and "trained for another base model" in err, err
