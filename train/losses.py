@@ -115,7 +115,7 @@ def eagle3_loss(head_hidden, head_logits, base_normed, base_logits, tokens, loss
     by soft cross-entropy, where the base model's own choice there is in that vocabulary. No feature
     loss. `train.train` hands it logits over the draft vocabulary itself (`Eagle3.loss_vocab`), all of
     them finite, with the targets outside it already masked: the same loss where the data's tokens are
-    the base model's own choices (self-distillation), as here."""
+    the base model's own choices (self-distilled data)."""
     k_heads = head_logits.shape[0]
     targets, masks = targets_and_masks(tokens, loss_mask, k_heads)
     in_vocab = head_logits[0, :1, :1] > -1e8  # [1, 1, V]: the draft vocabulary
