@@ -4,18 +4,15 @@ no other model's. A file of its own, so the test workers share the SmolLM2 tests
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from clover_jax import cli, methods
+from clover_jax import cli, methods, sources
 from clover_jax.checkpoint import base_fingerprint, read_heads_config
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import Generator
 from infer import generate
 
-REPO = Path(__file__).resolve().parents[1]
-SHIPPED = REPO / "models" / "smollm2" / "heads"
+SHIPPED = sources.shipped_dir("smollm2") / "heads"
 CHAT_PROMPTS = ["What is a KV cache?", "Write a haiku about autumn.", "Give me three tips for learning Python.",
                 "Why is the sky blue?"]
 
@@ -61,7 +58,7 @@ def test_shipped_heads_are_smollm2s_and_fit_their_budget(smollm2):
 @pytest.mark.parametrize("model,heads", [("smollm2", "models/reference/heads/clover2"),
                                          ("models/reference", "models/smollm2/heads/clover2")])
 def test_heads_of_the_other_model_are_one_error_line(model, heads, smollm2, capsys):
-    code = generate.main(["--model", model, "--method", "clover2", "--heads", str(REPO / heads),
+    code = generate.main(["--model", model, "--method", "clover2", "--heads", str(sources.SHIPPED.parent / heads),
                           "--prompt", "Hi", "--max-new-tokens", "2"])
     out, err = capsys.readouterr()
     assert (code, out) == (2, "")
