@@ -20,7 +20,7 @@ from clover_jax.errors import CloverError
 from clover_jax.model import Llama
 
 # The files `train.make_data` writes; meta.json is written last, so without it a dataset is unfinished.
-FILES = ("tokens.npy", "offsets.npy", "loss_mask.npy", "hidden.npy")
+FILES = ("tokens.npy", "offsets.npy", "loss_mask.npy", "hidden.npy", "features.npy")
 META = "meta.json"
 HIDDEN_DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
@@ -36,7 +36,8 @@ def _index_hash(indices: np.ndarray) -> np.ndarray:
 
 
 class HeadDataset:
-    """Examples e = tokens[offsets[e]:offsets[e + 1]], with loss mask and optional hidden states [N, D]."""
+    """Examples e = tokens[offsets[e]:offsets[e + 1]], with loss mask, optional hidden states [N, D] and
+    optional inner-layer outputs [N, F, D] (the layers `feature_layers` names)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -52,6 +53,7 @@ class HeadDataset:
             self.vocab_size = int(self.meta["vocab_size"])
             self.hidden_size = int(self.meta["hidden_size"])
             hidden_dtype = self.meta["hidden_dtype"]
+            self.feature_layers = tuple(int(i) for i in self.meta.get("feature_layers") or ())
         except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise CloverError(f"{meta_path}: not a meta.json written by train.make_data ({e})") from None
         self.tokens = self._load("tokens.npy", np.int32)  # [N]
@@ -63,6 +65,11 @@ class HeadDataset:
                 raise CloverError(f"{meta_path}: unknown hidden_dtype {hidden_dtype!r}")
             raw = self._load("hidden.npy", None)
             self.hidden = raw.view(HIDDEN_DTYPES[hidden_dtype])  # bfloat16 is stored as raw 2-byte records
+        self.features = None  # [N, F, D] in the hidden states' dtype, or None
+        if self.feature_layers:
+            if hidden_dtype is None:
+                raise CloverError(f"{meta_path}: feature_layers without hidden states; rerun train.make_data")
+            self.features = self._load("features.npy", None).view(HIDDEN_DTYPES[hidden_dtype])
         self._validate()
         self._perm: tuple[tuple[int, int, int], np.ndarray] | None = None
 
@@ -90,6 +97,10 @@ class HeadDataset:
         if self.hidden is not None and self.hidden.shape != (n, self.hidden_size):
             raise CloverError(f"{self.path}: hidden.npy has shape {list(self.hidden.shape)}, expected "
                               f"{[n, self.hidden_size]}; rerun train.make_data")
+        want = (n, len(self.feature_layers), self.hidden_size)
+        if self.features is not None and self.features.shape != want:
+            raise CloverError(f"{self.path}: features.npy has shape {list(self.features.shape)}, expected "
+                              f"{list(want)}; rerun train.make_data")
         lo, hi = int(self.tokens.min()), int(self.tokens.max())
         if lo < 0 or hi >= self.vocab_size:
             raise CloverError(f"{self.path}: token id {hi if hi >= self.vocab_size else lo} is outside the "
@@ -141,6 +152,8 @@ class HeadDataset:
         positions = np.zeros((batch_size, seq_len), np.int32)
         lengths = np.zeros((batch_size,), np.int32)
         hidden = None if self.hidden is None else np.zeros((batch_size, seq_len, self.hidden_size), self.hidden.dtype)
+        features = None if self.features is None else np.zeros((batch_size, seq_len) + self.features.shape[1:],
+                                                                self.features.dtype)
         for row, (e, s) in enumerate(zip(examples, starts)):
             a = int(self.offsets[e]) + s
             b = min(a + seq_len, int(self.offsets[e + 1]))
@@ -151,7 +164,10 @@ class HeadDataset:
             lengths[row] = n
             if hidden is not None:
                 hidden[row, :n] = self.hidden[a:b]
-        return {"tokens": tokens, "loss_mask": mask, "lengths": lengths, "positions": positions, "hidden": hidden}
+            if features is not None:
+                features[row, :n] = self.features[a:b]
+        return {"tokens": tokens, "loss_mask": mask, "lengths": lengths, "positions": positions, "hidden": hidden,
+                "features": features}
 
     def _epoch_order(self, seed: int, epoch: int, n: int) -> np.ndarray:
         key = (seed, epoch, n)
@@ -173,7 +189,8 @@ class HeadDataset:
 
         Returns tokens [B, T] int32, loss_mask [B, T] float32 (1 on response tokens), lengths [B] int32
         (real tokens per row; the rest is right padding with token 0 and mask 0), positions [B, T] int32
-        (each token's position in its example) and hidden [B, T, D] (stored dtype) or None. Step s takes
+        (each token's position in its example), hidden [B, T, D] (stored dtype) or None and features
+        [B, T, F, D] (stored dtype) or None. Step s takes
         entries s*B .. s*B+B-1 of the endless sequence of per-epoch permutations of `indices`; an example
         longer than T gives a random window holding some of its response.
         """

@@ -1,6 +1,7 @@
 """Training data for the draft heads: prompts and responses as token ids, with a loss mask on the response.
 
     python -m train.make_data --base DIR --prompts FILE --out DIR [--mode self|fixed] [--store-hidden float16]
+                              [--store-features]
 
 Two modes. `self` (self-distillation): the base model writes every response itself, batched through
 our jitted `Generator`, so the heads learn to predict exactly the text they will be asked to draft.
@@ -25,6 +26,9 @@ The output directory (`train.data.HeadDataset` reads it):
   hidden.npy     [N, D] float16 or bfloat16 (with --store-hidden; bfloat16 is stored as raw 2-byte
                  'V2' records: view it as `ml_dtypes.bfloat16`): the base model's last hidden state
                  before the final norm at every token, from one causal forward over the whole example
+  features.npy   [N, 3, D] (with --store-features, in the --store-hidden dtype): the outputs of the low,
+                 middle and high decoder layers EAGLE-3 drafts from (`model.low_mid_high`), from the
+                 same forward; meta.json's feature_layers names them
   meta.json      written last, so a directory without it is not a finished dataset
 Every file is written under a temporary name and renamed into place.
 """
@@ -32,6 +36,7 @@ Every file is written under a temporary name and renamed into place.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -51,7 +56,7 @@ from clover_jax.convert import load_pretrained
 from clover_jax.decode import BUCKETS, Generator, bucket_for, to_host
 from clover_jax.errors import CloverError
 from clover_jax.files import atomic_path, temporary_name, write_text
-from clover_jax.model import Llama, causal_self_mask
+from clover_jax.model import Llama, causal_self_mask, low_mid_high
 from clover_jax.sampling import SamplingConfig
 from clover_jax.sharding import make_mesh, put_batch
 from clover_jax import cli
@@ -194,19 +199,22 @@ def self_distill_turns(gen: Generator, tokenizer, records: list[Record], prompts
     return [(ids + reply, mask + [1] * len(reply)) for ids, mask, reply in (t[-1] for t in turns)]
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames="dtype")
-def _last_hidden(graphdef, params, tokens: jax.Array, *, dtype: str) -> jax.Array:
-    """tokens [B, T] -> the last layer's output before the final norm [B, T, D], cast to `dtype`."""
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("dtype", "feature_layers"))
+def _last_hidden(graphdef, params, tokens: jax.Array, *, dtype: str, feature_layers: tuple[int, ...] = ()):
+    """tokens [B, T] -> (the last layer's output before the final norm [B, T, D], the outputs of
+    `feature_layers` [B, T, F, D] or None), cast to `dtype`."""
     model = nnx.merge(graphdef, params)
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    hidden = model(tokens, positions, causal_self_mask(b, t), with_logits=False).hidden
-    return hidden.astype(dtype)
+    out = model(tokens, positions, causal_self_mask(b, t), with_logits=False, feature_layers=feature_layers)
+    return out.hidden.astype(dtype), None if out.features is None else out.features.astype(dtype)
 
 
 def write_hidden(model: Llama, tokens: np.ndarray, offsets: np.ndarray, out: np.ndarray, batch_size: int,
-                 max_len: int, mesh=None) -> None:
-    """Fill `out` [N, D] with the hidden state at every token, one causal forward per example.
+                 max_len: int, mesh=None, features: np.ndarray | None = None,
+                 feature_layers: tuple[int, ...] = ()) -> None:
+    """Fill `out` [N, D] with the hidden state at every token, one causal forward per example, and
+    `features` [N, F, D] (when given) with the outputs of `feature_layers` from the same forward.
 
     Examples go through in order of length, right-padded to a length bucket (so a few programs are
     compiled) in batches of a fixed size; right padding changes nothing at the real positions."""
@@ -220,9 +228,13 @@ def write_hidden(model: Llama, tokens: np.ndarray, offsets: np.ndarray, out: np.
         for row, e in enumerate(group):
             batch[row, : lengths[e]] = tokens[offsets[e]: offsets[e + 1]]
         batch = jnp.asarray(batch) if mesh is None else put_batch(batch, mesh)
-        hidden = to_host(_last_hidden(graphdef, params, batch, dtype=out.dtype.name))
+        hidden, feats = _last_hidden(graphdef, params, batch, dtype=out.dtype.name,
+                                     feature_layers=feature_layers if features is not None else ())
+        hidden, feats = to_host(hidden), None if feats is None else to_host(feats)
         for row, e in enumerate(group):
             out[offsets[e]: offsets[e + 1]] = hidden[row, : lengths[e]]
+            if features is not None:
+                features[offsets[e]: offsets[e + 1]] = feats[row, : lengths[e]]
 
 
 def _prepare_out(out: Path) -> None:
@@ -283,6 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store-hidden", choices=("none",) + tuple(HIDDEN_DTYPES), default="none",
                    help="also store the base model's last hidden state (before the final norm) at every token "
                         "in this dtype, so training need not run the base model (default: %(default)s)")
+    p.add_argument("--store-features", action="store_true",
+                   help="with --store-hidden: also store the outputs of the low, middle and high decoder layers "
+                        "EAGLE-3 drafts from, so its training need not run the base model either (3 x the "
+                        "hidden states' bytes)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
                    help="dtype the base model runs in, for generation and hidden states (default: %(default)s)")
     p.add_argument("--limit", type=int, metavar="N", help="use only the first N records of the file")
@@ -323,6 +339,8 @@ def make_data(args: argparse.Namespace) -> int:
         raise CloverError("--turns all takes every turn of a conversation as the chat template renders it; add "
                           "--chat, or drop --turns")
     all_turns = args.turns != "first" and args.chat
+    if args.store_features and args.store_hidden == "none":
+        raise CloverError("--store-features keeps inner layers beside the hidden states; add --store-hidden float16")
     if args.answers and args.mode != "self":
         raise CloverError("--answers keeps the base model's own answers; it goes with --mode self")
     skip = sources.is_named(args.prompts) if args.skip is None else args.skip
@@ -372,20 +390,27 @@ def make_data(args: argparse.Namespace) -> int:
     mask = np.concatenate([np.asarray(m, np.uint8) for _, m in examples])
     offsets = np.concatenate([[0], np.cumsum([len(ids) for ids, _ in examples])]).astype(np.int64)
     hidden_dtype = None if args.store_hidden == "none" else args.store_hidden
+    feature_layers = low_mid_high(cfg.num_layers) if args.store_features else ()
     if hidden_dtype:
-        with atomic_path(out / "hidden.npy") as tmp:
-            hidden = np.lib.format.open_memmap(tmp, mode="w+", dtype=HIDDEN_DTYPES[hidden_dtype],
-                                               shape=(len(tokens), cfg.hidden_size))
-            write_hidden(model, tokens, offsets, hidden, args.batch_size, max_len, mesh)
-            hidden.flush()
-            del hidden
+        dtype = HIDDEN_DTYPES[hidden_dtype]
+        with contextlib.ExitStack() as stack:  # each file renamed into place only when all are written
+            tmp = [stack.enter_context(atomic_path(out / name))
+                   for name in ("hidden.npy", "features.npy")[: 1 + bool(feature_layers)]]
+            hidden = np.lib.format.open_memmap(tmp[0], mode="w+", dtype=dtype, shape=(len(tokens), cfg.hidden_size))
+            features = None if not feature_layers else np.lib.format.open_memmap(
+                tmp[1], mode="w+", dtype=dtype, shape=(len(tokens), len(feature_layers), cfg.hidden_size))
+            write_hidden(model, tokens, offsets, hidden, args.batch_size, max_len, mesh, features, feature_layers)
+            for array in (hidden, features):
+                if array is not None:
+                    array.flush()
+            del hidden, features
     _save_npy(out / "tokens.npy", tokens)
     _save_npy(out / "offsets.npy", offsets)
     _save_npy(out / "loss_mask.npy", mask)
     meta = {"base_fingerprint": base_fingerprint(model), "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.hidden_size, "num_examples": len(examples), "num_tokens": int(len(tokens)),
             "num_response_tokens": int(mask.sum()), "mode": args.mode, "max_len": max_len,
-            "hidden_dtype": hidden_dtype, "prompts_file": str(args.prompts), "created_by": "train.make_data",
+            "hidden_dtype": hidden_dtype, "feature_layers": list(feature_layers) or None, "prompts_file": str(args.prompts), "created_by": "train.make_data",
             "chat": args.chat, "chat_template": args.chat_template, "system": args.system,
             "turns": "all" if all_turns else "first", "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature, "seed": args.seed}

@@ -44,18 +44,18 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def base_states(base: Llama, tokens: jax.Array, hidden: jax.Array | None, feature_layers: tuple[int, ...] = (),
-                vocab: DraftVocab | None = None):
-    """(hidden, hidden_normed, logits, features) of the frozen base at every position: from stored hidden
-    states when the dataset has them and no inner layer is asked for, else from a forward pass (features
-    [B, T, F, D]: the outputs of `feature_layers`, None without); logits over `vocab` (None: the whole
-    vocabulary); never differentiated."""
-    features = None
-    if hidden is None or feature_layers:
+                vocab: DraftVocab | None = None, features: jax.Array | None = None):
+    """(hidden, hidden_normed, logits, features) of the frozen base at every position: from the stored
+    hidden states (and the stored outputs of `feature_layers`, `features` [B, T, F, D], when inner layers
+    are asked for) when the dataset has them, else from a forward pass (features: the outputs of
+    `feature_layers`, None without); logits over `vocab` (None: the whole vocabulary); never differentiated."""
+    features = features if feature_layers else None
+    if hidden is None or (feature_layers and features is None):
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         out = base(tokens, positions, causal_self_mask(b, t), with_logits=False, feature_layers=feature_layers)
         hidden, features = out.hidden, out.features
-        features = None if features is None else jax.lax.stop_gradient(features)
+    features = None if features is None else jax.lax.stop_gradient(features.astype(base.dtype))
     hidden = jax.lax.stop_gradient(hidden.astype(base.dtype))
     normed = base.norm(hidden)
     logits = base.logits(normed) if vocab is None else vocab.logits(normed)
@@ -75,7 +75,7 @@ def head_loss(heads: Drafter, base: Llama, batch: dict, with_hits: bool = False,
     tokens, mask = batch["tokens"], batch["loss_mask"]
     vocab = heads.loss_vocab(base, vocab)
     hidden, normed, base_logits, features = base_states(base, tokens, batch.get("hidden"), heads.feature_layers,
-                                                        vocab)
+                                                        vocab, batch.get("features"))
     if isinstance(heads, EagleDrafter):  # a draft model's training-time test: [K, B, T, D] and its own logits
         head_hidden, head_logits = heads.drafts(base, hidden, features, tokens, key, vocab)
     else:
@@ -197,6 +197,11 @@ def run(args) -> int:
         if not 0 < args.loss_vocab <= base.cfg.vocab_size:
             raise CloverError(f"--loss-vocab {args.loss_vocab} must be in [1, {base.cfg.vocab_size}] (the vocabulary)")
     loss_vocab = DraftVocab.most_frequent(base.lm_head_weight(), counts, args.loss_vocab) if args.loss_vocab else None
+    stored_features = bool(heads.feature_layers) and data.feature_layers == tuple(heads.feature_layers)
+    if heads.feature_layers and not stored_features:
+        print(f"{args.method} drafts from layers {list(heads.feature_layers)}, which {args.data} does not store: "
+              "each step runs the base model for them (train.make_data --store-hidden float16 --store-features "
+              "stores them)", file=sys.stderr)
     # Float32 master weights; the forward casts them to the activations' dtype.
     nnx.update(heads, jax.tree.map(lambda x: x.astype(jnp.float32), nnx.state(heads, nnx.Param)))
     if mesh is not None:
@@ -236,7 +241,7 @@ def run(args) -> int:
 
     def to_device(batch):  # every process computes the whole batch: it is a function of the step
         place = jnp.asarray if mesh is None else (lambda x: put_batch(x, mesh))
-        return {k: place(v) for k, v in batch.items() if v is not None}
+        return {k: place(v) for k, v in batch.items() if v is not None and (k != "features" or stored_features)}
 
     def held_out(step):
         sums, n, steps = None, 0, 0
