@@ -214,7 +214,7 @@ def write_hidden(model: Llama, tokens: np.ndarray, offsets: np.ndarray, out: np.
                  max_len: int, mesh=None, features: np.ndarray | None = None,
                  feature_layers: tuple[int, ...] = ()) -> None:
     """Fill `out` [N, D] with the hidden state at every token, one causal forward per example, and
-    `features` [N, F, D] (when given) with the outputs of `feature_layers` from the same forward.
+    `features` [N, F, D] (given with `feature_layers`) with the outputs of those layers from the same forward.
 
     Examples go through in order of length, right-padded to a length bucket (so a few programs are
     compiled) in batches of a fixed size; right padding changes nothing at the real positions."""
@@ -228,8 +228,7 @@ def write_hidden(model: Llama, tokens: np.ndarray, offsets: np.ndarray, out: np.
         for row, e in enumerate(group):
             batch[row, : lengths[e]] = tokens[offsets[e]: offsets[e + 1]]
         batch = jnp.asarray(batch) if mesh is None else put_batch(batch, mesh)
-        hidden, feats = _last_hidden(graphdef, params, batch, dtype=out.dtype.name,
-                                     feature_layers=feature_layers if features is not None else ())
+        hidden, feats = _last_hidden(graphdef, params, batch, dtype=out.dtype.name, feature_layers=feature_layers)
         hidden, feats = to_host(hidden), None if feats is None else to_host(feats)
         for row, e in enumerate(group):
             out[offsets[e]: offsets[e + 1]] = hidden[row, : lengths[e]]
