@@ -198,10 +198,6 @@ def run(args) -> int:
             raise CloverError(f"--loss-vocab {args.loss_vocab} must be in [1, {base.cfg.vocab_size}] (the vocabulary)")
     loss_vocab = DraftVocab.most_frequent(base.lm_head_weight(), counts, args.loss_vocab) if args.loss_vocab else None
     stored_features = bool(heads.feature_layers) and data.feature_layers == tuple(heads.feature_layers)
-    if heads.feature_layers and not stored_features:
-        print(f"{args.method} drafts from layers {list(heads.feature_layers)}, which {args.data} does not store: "
-              "each step runs the base model for them (train.make_data --store-hidden float16 --store-features "
-              "stores them)", file=sys.stderr)
     # Float32 master weights; the forward casts them to the activations' dtype.
     nnx.update(heads, jax.tree.map(lambda x: x.astype(jnp.float32), nnx.state(heads, nnx.Param)))
     if mesh is not None:
@@ -225,6 +221,10 @@ def run(args) -> int:
         params, opt_state = onto_mesh((params, opt_state), mesh)
     if start:
         print(f"resumed from step {start} in {work}", file=sys.stderr)
+    if heads.feature_layers and not stored_features:
+        print(f"{args.method} drafts from layers {list(heads.feature_layers)}, which {args.data} does not store: "
+              "each step runs the base model for them (train.make_data --store-hidden float16 --store-features "
+              "stores them)", file=sys.stderr)
 
     def loss_on(p, bp, batch, with_hits=False, key=None):
         return head_loss(nnx.merge(head_graphdef, p, fixed), nnx.merge(base_graphdef, jax.lax.stop_gradient(bp)),
