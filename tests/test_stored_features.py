@@ -71,7 +71,7 @@ def test_stored_features_are_the_inner_layers_of_one_forward(model_dir, data_dir
 
 def test_eagle3_loss_from_stored_features_is_the_forwards(model_dir, data_dirs):
     """The same batch scored from stored (float16) layers and from a base forward: the same loss and
-    accuracies, to float16's rounding."""
+    per-head losses, to float16's rounding."""
     base = load_pretrained(model_dir)[1]
     heads = make_heads(HeadsConfig("eagle3", 3), base, seed=0)
     batch = {k: jnp.asarray(v) for k, v in HeadDataset(data_dirs["features"]).batch_at(0, 2, 16).items()
