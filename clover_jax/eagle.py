@@ -35,7 +35,7 @@ from clover_jax.cache import KVCache, causal_mask, tree_mask
 from clover_jax.config import ModelConfig, rope_inv_freq
 from clover_jax.draft_vocab import DraftVocab
 from clover_jax.drafter import Committed, Drafter, Frontier
-from clover_jax.layers import MLP, Attention, Linear, QKVProjection, RMSNorm, apply_rope, attend
+from clover_jax.layers import MLP, Attention, Linear, QKVProjection, RMSNorm, apply_rope, attend_unrolled
 from clover_jax.model import Llama, low_mid_high
 from clover_jax.sharding import constrain_cache
 
@@ -78,10 +78,11 @@ class DraftLayer(nnx.Module):
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         return q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
 
-    def over(self, q, keys, values, mask, residual):
-        """Training: the layer's output for queries q over given keys/values [B, K, S, H] (mask [B, T, S])."""
+    def over(self, q, keys, values, mask, own_keys, own_values, residual):
+        """Training: the layer's output for queries q over the first step's keys/values [B, K, T, H]
+        (mask [B, T, T]) and each later step's at the query's own position (`layers.attend_unrolled`)."""
         b, t = q.shape[:2]
-        attn = self.self_attn.o_proj(attend(q, keys, values, mask).reshape(b, t, -1))
+        attn = self.self_attn.o_proj(attend_unrolled(q, keys, values, mask, own_keys, own_values).reshape(b, t, -1))
         return self._rest(residual + attn)
 
     def _rest(self, x):
@@ -152,39 +153,38 @@ class EagleDrafter(nnx.Module, Drafter):
             state = state.replace(cache=here.replace(lengths=c.lengths))
         return self.logits(base, out, vocab), out, state
 
-    def unroll(self, base: Llama, hidden, features, tokens, noise=None) -> jax.Array:
+    def unroll(self, base: Llama, hidden, features, tokens, noise=None, steps: int | None = None) -> jax.Array:
         """Training-time test: [K, B, T, D] the layer's output at step k and position t, the feature a
         chain drafted from root x_{t+1} predicts at depth k (scoring x_{t+2+k}); each step is fed the
         true tokens and the previous step's outputs. hidden [B, T, D], features [B, T, F, D] or None,
-        tokens [B, T]; noise [B, T, D] is added to the target features (EAGLE-1's augmentation)."""
+        tokens [B, T]; noise [B, T, D] is added to the target features (EAGLE-1's augmentation);
+        `steps` (default: every head) cuts the unroll to its first steps, K = steps."""
         b, t = tokens.shape
         shifted = lambda n: jnp.concatenate([tokens[:, n:], jnp.zeros((b, min(n, t)), tokens.dtype)], 1)[:, :t]
         feature = self.committed_feature(base, hidden, features)
         if noise is not None:
             feature = feature + noise.astype(feature.dtype)
         pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        causal = jnp.tril(jnp.ones((t, t), bool))
-        diagonal = jnp.eye(t, dtype=bool)
-        keys, values, blocks, outs = [], [], [], []
-        for k in range(self.num_heads):
+        causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+        keys, values, outs = [], [], []  # step k reads step 0's keys causally, steps 1..k's at its own position
+        for k in range(self.num_heads if steps is None else min(steps, self.num_heads)):
             attn_in, residual = self.entry(base, shifted(k + 1), feature)
             q, kk, vv = self.layer.project(attn_in, pos + k)
             keys.append(kk)
             values.append(vv)
-            blocks.append(causal if k == 0 else diagonal)
-            mask = jnp.broadcast_to(jnp.concatenate(blocks, 1), (b, t, t * (k + 1)))
-            feature = self.layer.over(q, jnp.concatenate(keys, 2), jnp.concatenate(values, 2), mask, residual)
+            feature = self.layer.over(q, keys[0], values[0], causal, keys[1:], values[1:], residual)
             outs.append(feature)
         return jnp.stack(outs)
 
-    def drafts(self, base: Llama, hidden, features, tokens, key=None, vocab: DraftVocab | None = None):
-        """(outputs [K, B, T, D], logits [K, B, T, V or N]) of `unroll` for training, over the whole
-        vocabulary or the loss vocabulary `vocab` (`loss_vocab`); with a key, target features get
-        U(-w/2, w/2) noise, w = feature_noise."""
+    def drafts(self, base: Llama, hidden, features, tokens, key=None, vocab: DraftVocab | None = None,
+               steps: int | None = None):
+        """(outputs [K, B, T, D], logits [K, B, T, V or N]) of `unroll` (its first `steps`) for training,
+        over the whole vocabulary or the loss vocabulary `vocab` (`loss_vocab`); with a key, target
+        features get U(-w/2, w/2) noise, w = feature_noise."""
         noise = None
         if key is not None and self.feature_noise:
             noise = self.feature_noise * (jax.random.uniform(key, hidden.shape, jnp.float32) - 0.5)
-        out = self.unroll(base, hidden, features, tokens, noise)
+        out = self.unroll(base, hidden, features, tokens, noise, steps)
         return out, self.train_logits(base, out, vocab)
 
     def train_logits(self, base: Llama, out, vocab: DraftVocab | None):

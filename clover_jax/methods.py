@@ -24,6 +24,9 @@ class Method:
     tree: str  # its paper's static tree, a `tree.NAMED_TREES` name, cut to the heads' depth
     loss: str  # its training loss, a key of `train.losses.LOSSES`
     aug_layers: int = 0  # Augmenting Block layers (own KV cache) the drafter builds
+    # Draft steps its loss weights (None: every one). A training step unrolls only these, since the
+    # rest would add forward work and no gradient; evaluation still scores every depth.
+    trained_steps: int | None = None
     color: str | None = None  # its colour in the benchmark's plots (None: matplotlib's next)
 
 
@@ -58,6 +61,7 @@ register(Method("clover2", Clover2Heads, depth=5, tree="eagle_mc_sim_7b_63", los
                 color="tab:red"))
 SHIPPED = names()
 # The draft models of SPEC section 8: the command-line choices, with the ones above (BUILT_IN).
-register(Method("eagle", Eagle, depth=5, tree="eagle_mc_sim_7b_63", loss="eagle", color="tab:purple"))
+register(Method("eagle", Eagle, depth=5, tree="eagle_mc_sim_7b_63", loss="eagle", trained_steps=1,
+                color="tab:purple"))
 register(Method("eagle3", Eagle3, depth=7, tree="eagle_mc_sim_7b_63", loss="eagle3", color="tab:orange"))
 BUILT_IN = names()

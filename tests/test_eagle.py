@@ -76,3 +76,33 @@ def test_eagle3_scores_only_its_draft_vocabulary(base):
     want = (ce(0) + ce(1)) / 2
     np.testing.assert_allclose(per_head[0], want, rtol=1e-5)
     np.testing.assert_allclose(loss, per_head[0] + 0.8 * per_head[1], rtol=1e-6)
+
+
+def test_eagle_training_step_unrolls_only_the_step_it_trains(base):
+    """EAGLE-1's loss weights its first step alone (`Method.trained_steps`): unrolling just that step
+    gives the full unroll's loss and gradient, and its metrics cover that one depth."""
+    from clover_jax import methods
+    from train.train import head_loss
+
+    steps = methods.get("eagle").trained_steps
+    assert steps == 1 and methods.get("eagle3").trained_steps is None
+    drafter = perturbed("eagle", base, DEPTH)
+    b, t_len = 2, 9
+    rng = np.random.default_rng(2)
+    batch = {"tokens": jnp.asarray(rng.integers(3, base.cfg.vocab_size, (b, t_len)), jnp.int32),
+             "loss_mask": jnp.asarray(rng.integers(0, 2, (b, t_len)), jnp.float32)}
+    graphdef, params, rest = nnx.split(drafter, nnx.Param, ...)
+    key = jax.random.key(5)
+
+    def loss_of(p, cut):
+        return head_loss(nnx.merge(graphdef, p, rest), base, batch, key=key, steps=cut)
+
+    (full, full_m), full_g = jax.value_and_grad(loss_of, has_aux=True)(params, None)
+    (cut, cut_m), cut_g = jax.value_and_grad(loss_of, has_aux=True)(params, steps)
+    assert full_m["top1"].shape == (DEPTH,) and cut_m["top1"].shape == (1,)
+    np.testing.assert_allclose(cut, full, rtol=1e-6)
+    np.testing.assert_allclose(cut_m["top1"], full_m["top1"][:1])
+    flat_full, flat_cut = jax.tree.leaves(full_g), jax.tree.leaves(cut_g)
+    assert any(np.abs(np.asarray(g)).max() > 0 for g in flat_cut)
+    for g_full, g_cut in zip(flat_full, flat_cut):
+        np.testing.assert_allclose(g_cut, g_full, rtol=1e-5, atol=1e-7)

@@ -63,7 +63,7 @@ def base_states(base: Llama, tokens: jax.Array, hidden: jax.Array | None, featur
 
 
 def head_loss(heads: Drafter, base: Llama, batch: dict, with_hits: bool = False, key: jax.Array | None = None,
-              vocab: DraftVocab | None = None):
+              vocab: DraftVocab | None = None, steps: int | None = None):
     """(loss, metrics) of one batch: the method's loss plus per-head losses and top-1/top-5 accuracy;
     `with_hits` adds each head's top-1 hits [K, B, T] (`losses.top1_hits`), which evaluation replays.
     `key`: a training step's randomness (EAGLE-1's feature noise); None in evaluation.
@@ -77,7 +77,7 @@ def head_loss(heads: Drafter, base: Llama, batch: dict, with_hits: bool = False,
     hidden, normed, base_logits, features = base_states(base, tokens, batch.get("hidden"), heads.feature_layers,
                                                         vocab, batch.get("features"))
     if isinstance(heads, EagleDrafter):  # a draft model's training-time test: [K, B, T, D] and its own logits
-        head_hidden, head_logits = heads.drafts(base, hidden, features, tokens, key, vocab)
+        head_hidden, head_logits = heads.drafts(base, hidden, features, tokens, key, vocab, steps)
     else:
         head_hidden = heads.unroll(base, hidden, normed, tokens)  # [K, B, T, D]
         head_logits = base.logits(head_hidden) if vocab is None else vocab.logits(head_hidden)
@@ -226,14 +226,16 @@ def run(args) -> int:
               "each step runs the base model for them (train.make_data --store-hidden float16 --store-features "
               "stores them)", file=sys.stderr)
 
-    def loss_on(p, bp, batch, with_hits=False, key=None):
+    def loss_on(p, bp, batch, with_hits=False, key=None, steps=None):
         return head_loss(nnx.merge(head_graphdef, p, fixed), nnx.merge(base_graphdef, jax.lax.stop_gradient(bp)),
-                         batch, with_hits, key, loss_vocab)
+                         batch, with_hits, key, loss_vocab, steps)
+
+    trained_steps = methods.get(args.method).trained_steps
 
     @jax.jit
     def train_step(p, opt_state, bp, batch, step):
         key = jax.random.fold_in(jax.random.key(args.seed), step)  # a function of the step: resumes exactly
-        (_, metrics), grads = jax.value_and_grad(loss_on, has_aux=True)(p, bp, batch, False, key)
+        (_, metrics), grads = jax.value_and_grad(loss_on, has_aux=True)(p, bp, batch, False, key, trained_steps)
         updates, opt_state = optimizer.update(grads, opt_state, p)
         return optax.apply_updates(p, updates), opt_state, metrics
 
