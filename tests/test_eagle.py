@@ -106,3 +106,22 @@ def test_eagle_training_step_unrolls_only_the_step_it_trains(base):
     assert any(np.abs(np.asarray(g)).max() > 0 for g in flat_cut)
     for g_full, g_cut in zip(flat_full, flat_cut):
         np.testing.assert_allclose(g_cut, g_full, rtol=1e-5, atol=1e-7)
+
+
+def test_unrolled_attention_is_attention_over_the_concatenated_blocks():
+    """`attend_unrolled` reads step 0's keys under the causal mask and every later step's key at the
+    query's own position: plain attention over the blocks concatenated, [causal | eye | eye ...]."""
+    from clover_jax.layers import attend, attend_unrolled
+
+    b, t, n, kv, h, steps = 2, 6, 4, 2, 8, 3
+    rng = np.random.default_rng(7)
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    q = normal(b, t, n, h)
+    keys, values = [normal(b, kv, t, h) for _ in range(steps)], [normal(b, kv, t, h) for _ in range(steps)]
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    blocks = jnp.concatenate([causal] + [jnp.broadcast_to(jnp.eye(t, dtype=bool), (b, t, t))] * (steps - 1), 2)
+    want = attend(q, jnp.concatenate(keys, 2), jnp.concatenate(values, 2), blocks)
+    got = attend_unrolled(q, keys[0], values[0], causal, keys[1:], values[1:])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    first_step = attend_unrolled(q, keys[0], values[0], causal, [], [])
+    np.testing.assert_allclose(first_step, attend(q, keys[0], values[0], causal))
