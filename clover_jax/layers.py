@@ -144,6 +144,16 @@ def _scores(qg: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
     return scores.reshape(b, kv, tg, s)
 
 
+def _split_softmax(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The softmax over the last axis of [a | b], returned as its a and b parts: the two share one
+    maximum and one denominator, but the blocks are never concatenated (which made XLA:GPU build the
+    softmax in one small kernel that took a sixth of a single-token layer's time)."""
+    top = jnp.maximum(a.max(-1, keepdims=True), b.max(-1, keepdims=True))
+    p_a, p_b = jnp.exp(a - top), jnp.exp(b - top)
+    total = p_a.sum(-1, keepdims=True) + p_b.sum(-1, keepdims=True)
+    return p_a / total, p_b / total
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, cache: KVCache | None = None,
            layer: int = 0) -> jax.Array:
     """Grouped-query attention of T new tokens. q [B, T, N, H]; their own keys/values k/v [B, K, T, H].
@@ -165,16 +175,12 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, cache: KVC
     if cache is None or cache.fresh:  # a fresh cache (prefill) has no committed slot to read
         out = jnp.einsum("bkqs,bksh->bkqh", jax.nn.softmax(scores, axis=-1).astype(q.dtype), v)
     else:
-        # One softmax over the committed slots and the new tokens, taken in two parts that share a
-        # maximum and a denominator: concatenating the two score blocks instead made XLA:GPU build the
-        # softmax in one small kernel that took a sixth of a single-token layer's time.
+        # One softmax over the committed slots and the new tokens, taken in two parts.
         cache_k, cache_v = cache.layer(layer)
         committed = mask & (jnp.arange(cache.max_len)[None, None, :] < cache.lengths[:, None, None])
         old = _scores(qg, cache_k, committed)
-        top = jnp.maximum(old.max(-1, keepdims=True), scores.max(-1, keepdims=True))
-        p_old, p_new = jnp.exp(old - top), jnp.exp(scores - top)
-        total = p_old.sum(-1, keepdims=True) + p_new.sum(-1, keepdims=True)
-        mix = lambda p, values: jnp.einsum("bkqs,bksh->bkqh", (p / total).astype(q.dtype), values.astype(q.dtype))
+        p_old, p_new = _split_softmax(old, scores)
+        mix = lambda p, values: jnp.einsum("bkqs,bksh->bkqh", p.astype(q.dtype), values.astype(q.dtype))
         out = mix(p_old, cache_v) + mix(p_new, v)
     return jnp.swapaxes(out.reshape(b, kv, t, n // kv, h), 1, 2).reshape(b, t, n, h)
 
@@ -194,12 +200,9 @@ def attend_unrolled(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, o
     q5 = qg.reshape(b, kv, t, g, h)
     own = jnp.stack([jnp.einsum("bktgh,bkth->bktg", q5, x.astype(q.dtype)) for x in own_k], -1)  # [B, K, T, G, J]
     own = own.astype(jnp.float32).reshape(b, kv, t * g, len(own_k)) / np.sqrt(h)
-    # One softmax over both parts, sharing a maximum and a denominator (as `attend` does for a cache).
-    top = jnp.maximum(first.max(-1, keepdims=True), own.max(-1, keepdims=True))
-    p_first, p_own = jnp.exp(first - top), jnp.exp(own - top)
-    total = p_first.sum(-1, keepdims=True) + p_own.sum(-1, keepdims=True)
-    out = jnp.einsum("bkqs,bksh->bkqh", (p_first / total).astype(q.dtype), v.astype(q.dtype))
-    p_own = (p_own / total).astype(q.dtype).reshape(b, kv, t, g, len(own_v))
+    p_first, p_own = _split_softmax(first, own)
+    out = jnp.einsum("bkqs,bksh->bkqh", p_first.astype(q.dtype), v.astype(q.dtype))
+    p_own = p_own.astype(q.dtype).reshape(b, kv, t, g, len(own_v))
     values = jnp.stack([x.astype(q.dtype) for x in own_v], 3)  # [B, K, T, J, H]
     out = out + jnp.einsum("bktgj,bktjh->bktgh", p_own, values).reshape(out.shape)
     return jnp.swapaxes(out.reshape(b, kv, t, g, h), 1, 2).reshape(b, t, n, h)
