@@ -1,0 +1,158 @@
+"""`train.losses` against explicit loops over tiny NumPy arrays (and PyTorch's smooth L1): each
+method's loss, per-head weights and masks, top-k accuracy, and the chain replay that `train.train`
+reports as held-out chain tau."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from train import losses
+
+
+def _log_softmax(x):
+    x = np.asarray(x, np.float64)
+    m = max(x)
+    return x - (m + np.log(sum(np.exp(v - m) for v in x)))
+
+
+def _smooth_l1(a, b):
+    total = 0.0
+    for x, y in zip(a, b):
+        d = abs(float(x) - float(y))
+        total += 0.5 * d * d if d < 1 else d - 0.5
+    return total / len(a)
+
+
+def _counted(loss_mask, k, b, t):
+    """Head k at position t has a target: token t+2+k exists and is a response token."""
+    return t + 2 + k < loss_mask.shape[1] and loss_mask[b, t + 2 + k] == 1
+
+
+def _case(seed=0, k_heads=3, b_size=2, t_len=6, vocab=5, dim=3):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, vocab, (b_size, t_len)).astype(np.int32)
+    loss_mask = np.array([[0, 0, 1, 1, 1, 1], [0, 1, 1, 0, 1, 0]], np.float32)[:b_size, :t_len]
+    return dict(tokens=tokens, loss_mask=loss_mask,
+                head_logits=rng.normal(size=(k_heads, b_size, t_len, vocab)).astype(np.float32) * 2,
+                head_hidden=rng.normal(size=(k_heads, b_size, t_len, dim)).astype(np.float32) * 1.5,
+                base_normed=rng.normal(size=(b_size, t_len, dim)).astype(np.float32) * 1.5,
+                base_logits=rng.normal(size=(b_size, t_len, vocab)).astype(np.float32) * 2)
+
+
+def test_elementwise_losses_and_weights():
+    rng = np.random.default_rng(1)
+    a, b = rng.normal(size=(2, 4, 3)).astype(np.float32) * 1.5, rng.normal(size=(2, 4, 3)).astype(np.float32)
+    got = np.asarray(losses.smooth_l1(a, b))
+    want = np.array([[_smooth_l1(a[i, j], b[i, j]) for j in range(4)] for i in range(2)])
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert (np.abs(a - b) > 1).any() and (np.abs(a - b) < 1).any()  # both branches are exercised
+    torch_ref = torch.nn.functional.smooth_l1_loss(torch.tensor(a), torch.tensor(b), reduction="none", beta=1.0)
+    np.testing.assert_allclose(got, torch_ref.mean(-1).numpy(), rtol=1e-6, atol=1e-6)
+
+    logits, p = rng.normal(size=(3, 5)), rng.dirichlet(np.ones(5), size=3)
+    want = [-sum(p[i, v] * _log_softmax(logits[i])[v] for v in range(5)) for i in range(3)]
+    np.testing.assert_allclose(losses.soft_cross_entropy(jnp.asarray(logits, jnp.float32),
+                                                         jnp.asarray(p, jnp.float32)), want, rtol=1e-5)
+    np.testing.assert_allclose(losses.head_weights(3), [1.0, 0.7, 0.49], rtol=1e-6)
+    np.testing.assert_allclose(losses.masked_mean(jnp.ones(3), jnp.zeros(3)), 0.0)  # nothing counted: 0
+    x = np.arange(12, dtype=np.int32).reshape(2, 6)
+    np.testing.assert_array_equal(losses.shift_left(x, 2), [[2, 3, 4, 5, 0, 0], [8, 9, 10, 11, 0, 0]])
+    mask = np.array([[0, 1, 1, 0, 1, 1]], np.float32)
+    for k in range(4):
+        want = [float(_counted(mask, k, 0, t)) for t in range(6)]
+        np.testing.assert_array_equal(losses.target_mask(mask, k)[0], want)
+
+
+def test_cross_entropy_loss_by_hand():
+    c = _case()
+    k_heads, b_size, t_len, _ = c["head_logits"].shape
+    loss, per_head, masks, targets = losses.cross_entropy_loss(c["head_logits"], c["tokens"], c["loss_mask"])
+    want_per_head = []
+    for k in range(k_heads):
+        terms = [-_log_softmax(c["head_logits"][k, b, t])[c["tokens"][b, t + 2 + k]]
+                 for b in range(b_size) for t in range(t_len) if _counted(c["loss_mask"], k, b, t)]
+        want_per_head.append(sum(terms) / max(len(terms), 1))
+        for b in range(b_size):
+            for t in range(t_len):
+                assert masks[k, b, t] == float(_counted(c["loss_mask"], k, b, t))
+                if t + 2 + k < t_len:
+                    assert targets[k, b, t] == c["tokens"][b, t + 2 + k]
+    np.testing.assert_allclose(per_head, want_per_head, rtol=1e-5)
+    np.testing.assert_allclose(loss, sum(0.7 ** k * v for k, v in enumerate(want_per_head)), rtol=1e-5)
+
+
+def test_cross_entropy_loss_head_without_targets_counts_zero():
+    """T=5 and three heads: head 2 may only train at t=0 (token 4), which is a prompt token here."""
+    c = _case(seed=2, t_len=5)
+    c["loss_mask"] = np.array([[0, 0, 1, 1, 0], [0, 1, 1, 1, 0]], np.float32)
+    _, per_head, masks, _ = losses.cross_entropy_loss(c["head_logits"], c["tokens"], c["loss_mask"])
+    assert float(jnp.sum(masks[2])) == 0 and float(per_head[2]) == 0
+    assert np.isfinite(np.asarray(per_head)).all()
+
+
+def test_distill_loss_by_hand():
+    c = _case(seed=3)
+    k_heads, b_size, t_len, _ = c["head_logits"].shape
+    loss, per_head, masks, targets = losses.distill_loss(c["head_hidden"], c["head_logits"], c["base_normed"],
+                                                         c["base_logits"], c["tokens"], c["loss_mask"])
+    want_per_head = []
+    for k in range(k_heads):
+        terms = []
+        for b in range(b_size):
+            for t in range(t_len):
+                if not _counted(c["loss_mask"], k, b, t):
+                    continue
+                src = t + 1 + k  # the base model's output at t+1+k is the distribution of token t+2+k
+                p = np.exp(_log_softmax(c["base_logits"][b, src]))
+                q = _log_softmax(c["head_logits"][k, b, t])
+                terms.append(10 * _smooth_l1(c["head_hidden"][k, b, t], c["base_normed"][b, src])
+                             - sum(p[v] * q[v] for v in range(len(p))))
+        want_per_head.append(sum(terms) / max(len(terms), 1))
+    np.testing.assert_allclose(per_head, want_per_head, rtol=1e-5)
+    np.testing.assert_allclose(loss, sum(0.7 ** k * v for k, v in enumerate(want_per_head)), rtol=1e-5)
+    _, _, ce_masks, ce_targets = losses.cross_entropy_loss(c["head_logits"], c["tokens"], c["loss_mask"])
+    np.testing.assert_array_equal(masks, ce_masks)
+    np.testing.assert_array_equal(targets, ce_targets)
+
+
+@pytest.mark.parametrize("top", [1, 2])
+def test_topk_accuracy_by_hand(top):
+    c = _case(seed=4)
+    k_heads, b_size, t_len, _ = c["head_logits"].shape
+    _, _, masks, targets = losses.cross_entropy_loss(c["head_logits"], c["tokens"], c["loss_mask"])
+    got = losses.topk_accuracy(c["head_logits"], targets, masks, top)
+    want = []
+    for k in range(k_heads):
+        hits = [int(c["tokens"][b, t + 2 + k] in np.argsort(-c["head_logits"][k, b, t])[:top])
+                for b in range(b_size) for t in range(t_len) if _counted(c["loss_mask"], k, b, t)]
+        want.append(sum(hits) / max(len(hits), 1))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_replay_chain_by_hand():
+    """Three heads over ten positions: a step at t accepts the leading run of hits[:, t], and the next
+    starts at t + accepted + 1 (the bonus token's position), so the hits in between are never read."""
+    hits = np.zeros((3, 10), bool)
+    hits[:, 0] = [1, 1, 0]  # t=0 accepts 2 -> t=3
+    hits[:, 1] = [1, 1, 1]  # skipped
+    hits[:, 3] = [0, 1, 1]  # t=3 accepts 0 -> t=4
+    hits[:, 4] = [1, 1, 1]  # t=4 accepts 3 -> t=8
+    hits[:, 8] = [1, 0, 1]  # t=8 accepts 1 -> t=10, past the stop
+    np.testing.assert_array_equal(losses.replay_chain(hits, 0, 10), [1, 1, 1, 1])
+    np.testing.assert_array_equal(losses.replay_chain(hits, 0, 8), [1, 0, 1, 1])  # t=8 is not a step
+    np.testing.assert_array_equal(losses.replay_chain(hits, 1, 10), [3, 1, 0, 1])  # 1 -> 5 -> 6 -> 7 -> 8 -> 10
+    assert losses.tau_of(np.array([1, 1, 1, 1])) == 1 + 6 / 4
+
+
+def test_chain_steps_start_at_the_response_and_stop_before_the_window_runs_out():
+    """Row 0: prompt at 0..2, response at 3..9, so steps start at t=2 (root = token 3) and stop once head
+    1's target t+3 leaves the response (t <= 6). Row 1 has no response, and adds no step."""
+    k_heads = 2
+    loss_mask = np.zeros((2, 10), np.float32)
+    loss_mask[0, 3:] = 1
+    hits = np.ones((k_heads, 2, 10), bool)
+    # t=2 accepts 2 -> t=5 accepts 2 -> t=8: past the last full step (t=6), so two steps.
+    np.testing.assert_array_equal(losses.chain_steps(hits, loss_mask), [0, 0, 2])
+    hits[1, 0, 5] = False  # t=5 now accepts 1 -> t=7, also past t=6
+    np.testing.assert_array_equal(losses.chain_steps(hits, loss_mask), [0, 1, 1])
