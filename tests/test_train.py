@@ -250,6 +250,20 @@ def test_kill_and_resume_gives_identical_heads(trained, model_dir, datasets, tmp
     assert "was started with method='clover2', not 'medusa'" in err
 
 
+def test_resuming_a_finished_run_exports_the_same_heads_and_held_out_figures(trained, model_dir, datasets,
+                                                                            tmp_path, capsys):
+    """No step is left to run, so none evaluates: the export evaluates the held-out split itself."""
+    out, work, _, _ = trained["medusa"]
+    again = tmp_path / "again"
+    code, _, err = _train(capsys, model_dir, datasets["plain"], again, work, "medusa", "--val-fraction", 0.2,
+                          "--eval-batches", 1, "--resume")
+    assert code == 0 and f"resumed from step {STEPS}" in err, err
+    first, second = (json.loads((d / "heads.json").read_text())["held_out"] for d in (out, again))
+    assert second == first and len(first["val_top1"]) == NUM_HEADS
+    a, b = load_file(str(out / "heads.safetensors")), load_file(str(again / "heads.safetensors"))
+    assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_a_draft_model_resumes_to_identical_heads(method, trained, model_dir, datasets, tmp_path, capsys):
     """Stopped after step 3 and resumed, EAGLE-1 (whose feature noise is drawn per step) and EAGLE-3

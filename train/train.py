@@ -302,6 +302,8 @@ def run(args) -> int:
                 return cli.INTERRUPTED if interrupt.is_set() else 0
     last.wait_until_finished()
     best.wait_until_finished()
+    if not ev:  # resumed after its last step: the export still carries the held-out figures
+        ev = held_out(args.steps)
     if jax.process_count() > 1:  # the export is written once, from every process's shards
         params = jax.tree.map(to_host, params)
         if jax.process_index() != 0:
