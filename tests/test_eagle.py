@@ -71,10 +71,12 @@ def test_eagle3_scores_only_its_draft_vocabulary(base):
     base_logits = jnp.asarray(rng.normal(size=(b, t, v)), jnp.float32).at[..., ids].add(20.0)
     tokens, mask = jnp.zeros((b, t), jnp.int32), jnp.ones((b, t))
     loss, per_head, _, _ = losses.eagle3_loss(None, head, None, base_logits, tokens, mask)
-    # Step 0 counts positions 0 and 1 (token t+2 inside the window); position t's target is the base at t+1.
-    ce = lambda pos: -(jax.nn.softmax(base_logits[0, pos + 1, ids]) * jax.nn.log_softmax(head[0, 0, pos, ids])).sum()
-    want = (ce(0) + ce(1)) / 2
-    np.testing.assert_allclose(per_head[0], want, rtol=1e-5)
+    # Step k counts the positions whose token t+2+k is inside the window (step 0: 0 and 1; step 1: 0),
+    # and its target at position t is the base distribution at t+1+k.
+    ce = lambda k, pos: -(jax.nn.softmax(base_logits[0, pos + 1 + k, ids])
+                          * jax.nn.log_softmax(head[k, 0, pos, ids])).sum()
+    np.testing.assert_allclose(per_head[0], (ce(0, 0) + ce(0, 1)) / 2, rtol=1e-5)
+    np.testing.assert_allclose(per_head[1], ce(1, 0), rtol=1e-5)
     np.testing.assert_allclose(loss, per_head[0] + 0.8 * per_head[1], rtol=1e-6)
 
 

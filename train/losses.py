@@ -119,11 +119,15 @@ def eagle3_loss(head_hidden, head_logits, base_normed, base_logits, tokens, loss
     k_heads = head_logits.shape[0]
     targets, masks = targets_and_masks(tokens, loss_mask, k_heads)
     in_vocab = head_logits[0, :1, :1] > -1e8  # [1, 1, V]: the draft vocabulary
+    # Step k's targets are the base model's rows shifted by k + 1, so both are taken once and shifted
+    # (the rows shifted in past the end are masked). Per step, they made this loss's forward and
+    # backward 1.7 s instead of 1.0 at SmolLM2's shapes (7 steps x 4 x 512 x 8,192, 2-core CPU).
+    base_logits = jax.lax.stop_gradient(base_logits.astype(jnp.float32))
+    p_base = jax.nn.softmax(jnp.where(in_vocab, base_logits, -1e9), -1)
+    base_drafted = jnp.take(in_vocab[0, 0], jnp.argmax(base_logits, -1)).astype(jnp.float32)  # [B, T]
     per_head = []
     for k in range(k_heads):
-        at = jax.lax.stop_gradient(shift_left(base_logits, k + 1).astype(jnp.float32))
-        p_target = jax.nn.softmax(jnp.where(in_vocab, at, -1e9), -1)
-        drafted = jnp.take(in_vocab[0, 0], jnp.argmax(at, -1)).astype(jnp.float32)  # [B, T]
+        p_target, drafted = shift_left(p_base, k + 1), shift_left(base_drafted, k + 1)
         per_head.append(masked_mean(soft_cross_entropy(head_logits[k], p_target), masks[k] * drafted))
     per_head = jnp.stack(per_head)
     return jnp.sum(EAGLE3_DECAY ** jnp.arange(k_heads, dtype=jnp.float32) * per_head), per_head, masks, targets
