@@ -51,8 +51,7 @@ def names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-# The methods whose heads ship beside the reference model (SPEC section 2), in this order: the
-# benchmark's default.
+# The draft heads of SPEC section 2, in this order: the benchmark's default methods.
 register(Method("medusa", MedusaHeads, depth=4, tree="medusa_mc_sim_7b_63", loss="cross_entropy",
                 color="tab:blue"))
 register(Method("clover", CloverHeads, depth=3, tree="medusa_mc_sim_7b_63", loss="cross_entropy", aug_layers=1,

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from clover_jax import methods
 from clover_jax.checkpoint import load_heads
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import Generator
@@ -19,7 +20,7 @@ from clover_jax.model import causal_self_mask
 from clover_jax.speculative import SpeculativeGenerator
 from clover_jax.tree import resolve_tree
 from infer import generate
-from train import corpus, losses
+from train import corpus, losses, train
 
 REF = Path(__file__).resolve().parents[1] / "models" / "reference"
 CARD_LOSS = re.compile(r"prompt-set loss \(first (\d+) prompts, float32\): ([\d.]+) nats/token")
@@ -134,21 +135,20 @@ def replayed_accept_hist(base, heads, seqs: list[list[int]], prompt_lens: list[i
     """[B, D+1] decoding steps of a chain through every head, replayed (`losses.replay_chain`) from
     training's teacher-forced drafts over the finished sequences (right-padded into one batch), for a
     generation of max_new tokens: the prefill writes the first, and steps run until there are max_new."""
-    tokens, positions = right_padded(seqs)
-    out = base(tokens, positions, causal_self_mask(*tokens.shape))
-    logits = base.logits(heads.unroll(base, out.hidden, out.hidden_normed, tokens))
-    targets = jnp.stack([losses.shift_left(tokens, k + 2) for k in range(heads.num_heads)])
-    hits = np.asarray(losses.top1_hits(logits, targets, jnp.ones(targets.shape)))
+    tokens, _ = right_padded(seqs)
+    _, metrics = train.head_loss(heads, base, {"tokens": tokens, "loss_mask": jnp.ones(tokens.shape)}, with_hits=True)
+    hits = np.asarray(metrics["hits"])
     # A step at position t adds accepted + 1 tokens and moves t as far, so max_new is reached at
     # t = prompt_len - 1 + max_new - 1.
     return np.stack([losses.replay_chain(hits[:, b], n - 1, n + max_new - 2) for b, n in enumerate(prompt_lens)])
 
 
-@pytest.mark.parametrize("method", ["medusa", "clover", "clover2"])
+@pytest.mark.parametrize("method", methods.BUILT_IN)
 def test_engine_accepts_what_training_drafts(reference, continuations, method):
-    """The shipped heads accept, step by step in the decoding loop, exactly what their teacher-forced
-    drafts (training's view) say they would: the heads' context carried across steps (Augmenting
-    Block cache, compaction) and the drafting of each depth lose nothing against training. This is
+    """The shipped heads accept, step by step in the decoding loop, exactly what their drafts in
+    training's evaluation (`train.head_loss`: teacher forced, or EAGLE's training-time test) say they
+    would: the heads' context carried across steps (Augmenting Block cache, the draft models' KV
+    caches, compaction) and the drafting of each depth lose nothing against training. This is
     also why a chain's acceptance at depth 2 sits under head 2's held-out accuracy: steps start
     where the previous draft failed, and those positions are harder (docs/benchmarks.md)."""
     base = reference[1]
