@@ -51,14 +51,14 @@ def names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-# The draft heads of SPEC section 2, in this order: the benchmark's default methods.
+# The draft heads of SPEC section 2 (HEADS).
 register(Method("medusa", MedusaHeads, depth=4, tree="medusa_mc_sim_7b_63", loss="cross_entropy",
                 color="tab:blue"))
 register(Method("clover", CloverHeads, depth=3, tree="medusa_mc_sim_7b_63", loss="cross_entropy", aug_layers=1,
                 color="tab:green"))
 register(Method("clover2", Clover2Heads, depth=5, tree="eagle_mc_sim_7b_63", loss="distill", aug_layers=2,
                 color="tab:red"))
-SHIPPED = names()
+HEADS = names()
 # The draft models of SPEC section 8: the command-line choices, with the ones above (BUILT_IN).
 register(Method("eagle", Eagle, depth=5, tree="eagle_mc_sim_7b_63", loss="eagle", trained_steps=1,
                 color="tab:purple"))

@@ -370,4 +370,4 @@ def _named(name: str, heads: int) -> Tree:
 
 # The tree each method drafts by default, cut to its head count: medusa 64 nodes (depth 4), clover 62
 # nodes (depth 3), clover2 26 nodes (depth 5).
-DEFAULT_TREES = {m: _named(methods.get(m).tree, methods.get(m).depth) for m in methods.SHIPPED}
+DEFAULT_TREES = {m: _named(methods.get(m).tree, methods.get(m).depth) for m in methods.HEADS}

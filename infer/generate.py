@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "no output; 0: the whole vocabulary; auto: the tokens making up 99.9%% of the counts "
                         "when greedy, the whole vocabulary when sampling (default: %(default)s)")
     p.add_argument("--num-heads", type=int, metavar="K",
-                   help="number of heads with --heads random (default: " + ", ".join(f"{m} {methods.get(m).depth}" for m in methods.SHIPPED) + ")")
+                   help="number of heads with --heads random (default: " + ", ".join(f"{m} {methods.get(m).depth}" for m in methods.HEADS) + ")")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
                    help="most tokens to generate per prompt; generation also stops at EOS (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",

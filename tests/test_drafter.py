@@ -112,7 +112,7 @@ def perturbed(method: str, base: Llama, depth: int):
 def test_a_drafter_registers_as_itself(base):
     drafter = make_heads(HeadsConfig("tiny-eagle", 3), base)
     assert isinstance(drafter, TinyEagle) and methods.get("tiny-eagle") is TINY_EAGLE
-    assert "tiny-eagle" in methods.names() and "tiny-eagle" not in methods.SHIPPED
+    assert "tiny-eagle" in methods.names() and "tiny-eagle" not in methods.HEADS
     assert resolve_tree("default", "tiny-eagle", 3).max_depth == 3
     with pytest.raises(Exception, match="unknown method 'eagle-9'"):
         HeadsConfig("eagle-9", 3)

@@ -29,7 +29,7 @@ from clover_jax.convert import load_pretrained
 from clover_jax.draft_vocab import DraftVocab, token_counts
 from clover_jax.errors import CloverError
 from clover_jax.heads import HeadsConfig, make_heads
-from clover_jax.methods import BUILT_IN as METHODS, SHIPPED as HEADS
+from clover_jax.methods import BUILT_IN as METHODS, HEADS
 from clover_jax.model import causal_self_mask
 from conftest import save_tiny_llama, tiny_tokenizer
 from infer import generate

@@ -200,7 +200,7 @@ def test_tree_is_a_static_jit_argument():
 
 def test_default_trees():
     sizes = {"medusa": (64, 4, 42), "clover": (62, 3, 41), "clover2": (26, 5, 15)}
-    assert {m: methods.get(m).depth for m in methods.SHIPPED} == {"medusa": 4, "clover": 3, "clover2": 5}
+    assert {m: methods.get(m).depth for m in methods.HEADS} == {"medusa": 4, "clover": 3, "clover2": 5}
     for method, t in DEFAULT_TREES.items():
         assert (t.num_nodes, t.max_depth, t.num_leaves) == sizes[method]
         assert t.max_depth <= methods.get(method).depth

@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, metavar="DIR", help="dataset directory written by train.make_data")
     p.add_argument("--out", required=True, metavar="DIR", help="where the final heads (safetensors + JSON) go")
     p.add_argument("--work-dir", metavar="DIR", help="orbax checkpoints and metrics.jsonl (default: OUT/../run-METHOD)")
-    p.add_argument("--num-heads", type=int, help="number of heads (default: " + ", ".join(f"{m} {methods.get(m).depth}" for m in methods.SHIPPED) + ")")
+    p.add_argument("--num-heads", type=int, help="number of heads (default: " + ", ".join(f"{m} {methods.get(m).depth}" for m in methods.HEADS) + ")")
     p.add_argument("--embed-source", choices=("lm_head", "input"), default="lm_head",
                    help="Clover-2 token embeddings: a frozen copy of lm_head, or the input embedding table")
     p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
