@@ -15,8 +15,11 @@ cache of its own (EAGLE's draft layer) writes each frontier node at slot length 
 reads the committed prefix plus `frontier.ancestors`, the mask verification uses; heads that need
 neither (Medusa, Clover) ignore them. `feature_layers` names the base layers whose outputs (from the
 same forward pass) reach `commit` as `Committed.features`: EAGLE-3's low, middle and high ones.
-Training: the method's registry entry names the loss (`methods.Method.loss`); `loss_vocab` says which
-tokens that loss scores (a training run may restrict it to the most frequent ones, as decoding does).
+A draft vocabulary (`draft_vocab.DraftVocab`) reaches `expand` as `drafting_vocab` made it from the one
+the engine picked: the base model's lm_head rows of those tokens, unless the drafter scores with rows of
+its own. Training: the method's registry entry names the loss (`methods.Method.loss`); `loss_vocab`
+says which tokens that loss scores (a training run may restrict it to the most frequent ones, as
+decoding does).
 """
 
 from __future__ import annotations
@@ -67,6 +70,11 @@ class Drafter:
 
     def expand(self, base, state, frontier: Frontier, vocab=None):
         raise NotImplementedError
+
+    def drafting_vocab(self, base, vocab):
+        """The draft vocabulary `expand` receives when the engine picked `vocab` (None: the whole
+        vocabulary), made once before decoding: by default `vocab` itself."""
+        return vocab
 
     def loss_vocab(self, base, vocab):
         """The vocabulary training scores this drafter over (a `draft_vocab.DraftVocab`, or None for the

@@ -29,12 +29,14 @@ import dataclasses
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from clover_jax.cache import KVCache, causal_mask, tree_mask
 from clover_jax.config import ModelConfig, rope_inv_freq
 from clover_jax.draft_vocab import DraftVocab
 from clover_jax.drafter import Committed, Drafter, Frontier
+from clover_jax.errors import CloverError
 from clover_jax.layers import MLP, Attention, Linear, QKVProjection, RMSNorm, apply_rope, attend_unrolled
 from clover_jax.model import Llama, low_mid_high
 from clover_jax.sharding import constrain_cache
@@ -262,7 +264,24 @@ class Eagle3(EagleDrafter):
         so training never spreads them over the whole vocabulary."""
         return self.logits(base, out) if vocab is None else self.lm_head(self.norm(out)).astype(jnp.float32)
 
+    def drafting_vocab(self, base: Llama, vocab: DraftVocab | None) -> DraftVocab | None:
+        """The engine's draft vocabulary cut to the tokens of its own (no other can be drafted), with
+        its own lm_head's rows of them: a draft level then multiplies K rows, not all N of its own."""
+        if vocab is None:
+            return None
+        where = np.full(base.cfg.vocab_size, -1, np.int64)
+        where[np.asarray(self.ids[...])] = np.arange(self.ids[...].shape[0])
+        ids = np.asarray(vocab.ids)
+        rows = where[ids]
+        if not (rows >= 0).any():
+            raise CloverError("the draft vocabulary shares no token with these EAGLE-3 heads' own; "
+                              "pass --draft-vocab 0 or auto")
+        ids, rows = ids[rows >= 0], rows[rows >= 0]
+        return DraftVocab(ids=jnp.asarray(ids, jnp.int32), rows=jnp.take(self.lm_head.kernel[...].T, rows, axis=0))
+
     def logits(self, base, out, vocab=None):
+        """Over the whole vocabulary (NO_LOGIT off its own ids), or over `drafting_vocab`'s tokens."""
+        if vocab is not None:
+            return vocab.logits(self.norm(out))
         own = self.lm_head(self.norm(out)).astype(jnp.float32)  # [..., N]
-        full = jnp.full(own.shape[:-1] + (base.cfg.vocab_size,), NO_LOGIT, jnp.float32).at[..., self.ids[...]].set(own)
-        return full if vocab is None else vocab.take(full)
+        return jnp.full(own.shape[:-1] + (base.cfg.vocab_size,), NO_LOGIT, jnp.float32).at[..., self.ids[...]].set(own)

@@ -208,6 +208,7 @@ class SpeculativeGenerator(Generator):
     def __init__(self, model: Llama, heads: Drafter, tree: Tree | DynamicTree, *,
                  draft_vocab: DraftVocab | None = None, **kwargs):
         super().__init__(model, **kwargs)
+        draft_vocab = heads.drafting_vocab(model, draft_vocab)
         if self.mesh is not None:
             shard_module(heads, self.mesh)
             if draft_vocab is not None:

@@ -16,6 +16,7 @@ from clover_jax import methods
 from clover_jax.cache import KVCache, causal_mask, tree_mask
 from clover_jax.config import ModelConfig
 from clover_jax.decode import Generator, prefill
+from clover_jax.draft_vocab import DraftVocab
 from clover_jax.drafter import Committed, Drafter, Frontier
 from clover_jax.drafting import draft_tree
 from clover_jax.heads import HeadsConfig, make_heads
@@ -140,6 +141,35 @@ def test_a_draft_model_with_its_own_cache_decodes_as_plain(base, plain, method, 
         np.testing.assert_allclose(np.asarray(state.cache.k[0])[j, :, :length], fresh.cache.k[0][0, :, :length],
                                    atol=1e-4, rtol=1e-4)
         np.testing.assert_allclose(np.asarray(state.context[j]), fresh.context[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_eagle3_over_a_draft_vocabulary_decodes_as_plain(base, plain, batch):
+    """EAGLE-3 with a draft vocabulary of its own (every other token the text uses) under the engine's
+    (the more frequent half of them): it drafts from the tokens in both, scored by its own rows, and
+    greedy output still equals plain decoding."""
+    counts = np.bincount(np.concatenate(plain), minlength=base.cfg.vocab_size)
+    own = np.flatnonzero(counts)[::2]
+    drafter = make_heads(HeadsConfig("eagle3", 3, draft_vocab=len(own)), base, seed=3)
+    drafter.set_vocab(base, own)
+    leaves, treedef = jax.tree.flatten(nnx.state(drafter, nnx.Param))
+    keys = jax.random.split(jax.random.key(4), len(leaves))
+    nnx.update(drafter, jax.tree.unflatten(treedef, [x + 0.02 * jax.random.normal(k, x.shape, x.dtype)
+                                                     for x, k in zip(leaves, keys)]))
+    asked = DraftVocab.most_frequent(base.lm_head_weight(), counts, int((counts > 0).sum()) // 2)
+    tree = resolve_tree("widths:3,2,2", "eagle3", 3)
+    gen = SpeculativeGenerator(base, drafter, tree, draft_vocab=asked)
+    vocab = gen.draft_vocab
+    kept = np.intersect1d(np.asarray(asked.ids), own)
+    assert 0 < len(kept) < asked.size and np.array_equal(np.asarray(vocab.ids), kept)
+    rows = list(range(len(PROMPTS))) if batch == 4 else [1]
+    out = gen.generate([PROMPTS[i] for i in rows], MAX_NEW, eos_ids=[])
+    assert out.tokens == [plain[i][:MAX_NEW] for i in rows]
+    seq = PROMPTS[1] + plain[1][:5]
+    state = fresh_commit(base, drafter, seq, plain[1][5])
+    drafted, _ = draft_tree(base, drafter, state, tree, jnp.asarray([plain[1][5]]), jnp.asarray([len(seq)]),
+                            vocab=vocab)
+    assert np.isin(np.asarray(drafted.tokens)[:, 1:], kept).all()
 
 
 def fresh_commit(base, drafter, seq, next_token):

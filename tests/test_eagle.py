@@ -11,7 +11,9 @@ import pytest
 from flax import nnx
 
 from clover_jax.config import ModelConfig
+from clover_jax.draft_vocab import DraftVocab
 from clover_jax.drafter import Committed
+from clover_jax.errors import CloverError
 from clover_jax.heads import HeadsConfig
 from clover_jax.model import Llama, causal_self_mask
 from test_drafter import chain_logits, perturbed
@@ -78,6 +80,26 @@ def test_eagle3_scores_only_its_draft_vocabulary(base):
     np.testing.assert_allclose(per_head[0], (ce(0, 0) + ce(0, 1)) / 2, rtol=1e-5)
     np.testing.assert_allclose(per_head[1], ce(1, 0), rtol=1e-5)
     np.testing.assert_allclose(loss, per_head[0] + 0.8 * per_head[1], rtol=1e-6)
+
+
+def test_eagle3_drafts_a_draft_vocabulary_from_its_own_rows(base):
+    """Given the engine's draft vocabulary, EAGLE-3 keeps the tokens of its own ids and scores them with
+    its own lm_head rows alone: the same logits as its full scoring, taken at those ids."""
+    drafter = perturbed("eagle3", base, 2)
+    own = jnp.asarray([3, 5, 8, 13, 21, 34], jnp.int32)
+    small = type(drafter)(HeadsConfig("eagle3", 2, draft_vocab=6), base, rngs=nnx.Rngs(0))
+    small.set_vocab(base, own)
+    small.lm_head.kernel[...] += 0.05 * jax.random.normal(jax.random.key(3), small.lm_head.kernel[...].shape)
+    asked = DraftVocab.most_frequent(base.lm_head_weight(), None, 16)  # ids 0..15: 3, 5, 8 and 13 are its own
+    vocab = small.drafting_vocab(base, asked)
+    np.testing.assert_array_equal(np.asarray(vocab.ids), [3, 5, 8, 13])
+    out = jax.random.normal(jax.random.key(4), (2, 3, base.cfg.hidden_size))
+    np.testing.assert_allclose(np.asarray(small.logits(base, out, vocab)),
+                               np.asarray(small.logits(base, out))[..., [3, 5, 8, 13]], rtol=1e-5, atol=1e-5)
+    assert small.drafting_vocab(base, None) is None
+    assert drafter.drafting_vocab(base, asked).ids.shape == (16,)  # all its ids: the whole vocabulary
+    with pytest.raises(CloverError, match="shares no token"):
+        small.drafting_vocab(base, DraftVocab.most_frequent(base.lm_head_weight(), None, 3))
 
 
 def test_eagle_training_step_unrolls_only_the_step_it_trains(base):
