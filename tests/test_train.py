@@ -264,6 +264,33 @@ def test_resuming_a_finished_run_exports_the_same_heads_and_held_out_figures(tra
     assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
 
 
+def test_held_out_figures_can_come_from_another_dataset(trained, model_dir, datasets, tmp_path, capsys):
+    """`--eval-data`: the held-out split of another dataset (here made with `make_data --first`, which
+    leaves out the records before it) gives the held-out figures; training still reads --data."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    later = tmp_path / "later"
+    assert make_data.main([f"--base={model_dir}", f"--prompts={prompts}", f"--out={later}", "--mode=fixed",
+                           "--first=3", "--limit=4"]) == 0
+    whole, part = HeadDataset(datasets["plain"]), HeadDataset(later)
+    assert part.num_examples == 4 and np.array_equal(part.tokens, whole.tokens[whole.offsets[3]: whole.offsets[7]])
+    out, work, _, _ = trained["medusa"]
+    again = tmp_path / "again"
+    code, _, err = _train(capsys, model_dir, datasets["plain"], again, work, "medusa", "--val-fraction", 0.2,
+                          "--eval-batches", 1, "--eval-data", later, "--resume")
+    assert code == 0, err
+    got = json.loads((again / "heads.json").read_text())["held_out"]
+    base = _base(model_dir)
+    heads = load_heads(out, base)
+    batch = next(part.eval_batches(32, 2, part.split(0.2)[1]))
+    _, want = train.head_loss(heads, base, {k: jnp.asarray(v) for k, v in batch.items() if v is not None},
+                              with_hits=True)
+    np.testing.assert_allclose(got["val_loss"], float(want["loss"]), rtol=1e-5)
+    np.testing.assert_allclose(got["val_top1"], np.asarray(want["top1"]), rtol=1e-5)
+    first = json.loads((out / "heads.json").read_text())["held_out"]
+    assert got["val_loss"] != first["val_loss"]
+
+
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_a_draft_model_resumes_to_identical_heads(method, trained, model_dir, datasets, tmp_path, capsys):
     """Stopped after step 3 and resumed, EAGLE-1 (whose feature noise is drawn per step) and EAGLE-3

@@ -300,7 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "hidden states' bytes)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
                    help="dtype the base model runs in, for generation and hidden states (default: %(default)s)")
-    p.add_argument("--limit", type=int, metavar="N", help="use only the first N records of the file")
+    p.add_argument("--limit", type=int, metavar="N", help="use only the first N records of the file (after --first)")
+    p.add_argument("--first", type=int, default=0, metavar="N",
+                   help="leave out the first N records of the file, e.g. those another data set was made from, so "
+                        "the two share no conversation (fixed mode; default: %(default)s)")
     p.add_argument("--skip", action=argparse.BooleanOptionalAction, default=None,
                    help="leave out, and count in one line, records with no user turn or whose prompt leaves no room "
                         "in --max-len, instead of refusing the file (default: on for a named source such as "
@@ -327,6 +330,10 @@ def make_data(args: argparse.Namespace) -> int:
             raise CloverError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
     if args.limit is not None and args.limit < 1:
         raise CloverError(f"--limit {args.limit} must be >= 1")
+    if args.first < 0:
+        raise CloverError(f"--first {args.first} must be >= 0")
+    if args.first and args.answers:
+        raise CloverError("--answers keeps answers by record from the file's start; drop --first")
     sampling = SamplingConfig(temperature=args.temperature)
     base_dir = cli.model_dir(args.base)
     cfg = ModelConfig.from_pretrained(base_dir)
@@ -347,7 +354,7 @@ def make_data(args: argparse.Namespace) -> int:
     eos = cli.eos_ids(base_dir, cfg, tokenizer)
     listed, skipped = read_examples(args.prompts, skip)
     records, examples = [], []
-    for index, record in listed[: args.limit]:
+    for index, record in listed[args.first:][: args.limit]:
         try:
             example = first_example(tokenizer, record, args, cfg, eos, all_turns, max_len)
         except CloverError:
@@ -412,7 +419,7 @@ def make_data(args: argparse.Namespace) -> int:
             "hidden_dtype": hidden_dtype, "feature_layers": list(feature_layers) or None, "prompts_file": str(args.prompts), "created_by": "train.make_data",
             "chat": args.chat, "chat_template": args.chat_template, "system": args.system,
             "turns": "all" if all_turns else "first", "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
-            "temperature": args.temperature, "seed": args.seed}
+            "temperature": args.temperature, "seed": args.seed, "first": args.first}
     write_text(out / META, json.dumps(meta, indent=2) + "\n")
     print(f"wrote {len(examples)} examples ({len(tokens)} tokens, {meta['num_response_tokens']} in responses) "
           f"to {out}")

@@ -112,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", choices=methods.names(), required=True, help="head architecture to train")
     p.add_argument("--base", required=True, metavar="DIR", help="base model (Hugging Face checkpoint directory)")
     p.add_argument("--data", required=True, metavar="DIR", help="dataset directory written by train.make_data")
+    p.add_argument("--eval-data", metavar="DIR",
+                   help="take the held-out figures from this dataset's held-out split instead of --data's, e.g. "
+                        "heads trained on ShareGPT's own replies (make_data --mode fixed --first N) measured on the "
+                        "base model's own answers (default: --data)")
     p.add_argument("--out", required=True, metavar="DIR", help="where the final heads (safetensors + JSON) go")
     p.add_argument("--work-dir", metavar="DIR", help="orbax checkpoints and metrics.jsonl (default: OUT/../run-METHOD)")
     p.add_argument("--num-heads", type=int, help="number of heads (default: " + ", ".join(f"{m} {methods.get(m).depth}" for m in methods.HEADS) + ")")
@@ -181,6 +185,12 @@ def run(args) -> int:
         raise CloverError(f"--seq-len {args.seq_len} exceeds the base model's context "
                           f"({base.cfg.max_position_embeddings}); lower it")
     train_idx, val_idx = data.split(args.val_fraction)
+    held = data
+    if args.eval_data:
+        held = HeadDataset(args.eval_data)
+        held.check_base(base)
+        held.check_vocab(base.cfg.vocab_size)
+        val_idx = held.split(args.val_fraction)[1]
     hcfg = HeadsConfig(args.method, args.num_heads or methods.get(args.method).depth, args.embed_source,
                        draft_vocab=args.draft_vocab)
     heads = make_heads(hcfg, base, seed=args.seed)
@@ -212,7 +222,8 @@ def run(args) -> int:
         max_to_keep=1, best_fn=lambda m: m["val_loss"], best_mode="min"))
     pin_run(work, {"method": hcfg.method, "num_heads": hcfg.num_heads, "embed_source": hcfg.embed_source,
                    "draft_vocab": hcfg.draft_vocab,
-                   "base": str(Path(args.base).resolve()), "data": str(Path(args.data).resolve())})
+                   "base": str(Path(args.base).resolve()), "data": str(Path(args.data).resolve()),
+                   **({"eval_data": str(Path(args.eval_data).resolve())} if args.eval_data else {})})
     if last.latest_step() is not None and not args.resume:
         raise CloverError(f"{work} already holds checkpoints; pass --resume to continue, or another --work-dir")
     start, restored = restore_latest(last, {"params": params, "opt_state": opt_state})
@@ -247,7 +258,7 @@ def run(args) -> int:
 
     def held_out(step):
         sums, n, steps = None, 0, 0
-        for i, batch in enumerate(data.eval_batches(args.seq_len, args.batch_size, val_idx)):
+        for i, batch in enumerate(held.eval_batches(args.seq_len, args.batch_size, val_idx)):
             if i >= args.eval_batches:
                 break
             m = evaluate(params, base_params, to_device(batch))
