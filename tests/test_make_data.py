@@ -18,7 +18,7 @@ from clover_jax.model import causal_self_mask
 from clover_jax.sampling import SamplingConfig
 from conftest import save_tiny_llama, tiny_llama_checkpoint, tiny_tokenizer
 from clover_jax import cli, conversation
-from train import make_data
+from train import make_data, merge_data
 from train.data import HeadDataset
 
 RECORDS = [{"prompt": "def add(a, b):", "response": "\n    return a + b\n"},
@@ -506,3 +506,32 @@ def test_skip_leaves_out_unusable_records_and_counts_them(model_dir, tmp_path, c
     code, _, err = run(capsys, *common, "--out", tmp_path / "d", "--skip")
     assert code == 0 and "skipped 2 records" in err
     assert len(_examples(tmp_path / "d")) == 2
+
+
+def test_merged_datasets_keep_their_examples_and_the_first_ones_held_out_split(model_dir, prompts_file,
+                                                                               fixed_dir, self_dir, tmp_path, capsys):
+    """`--first` and `--limit` cut the file in two; merge_data joins the parts back into the whole (hidden
+    states included), the first part's examples keeping their indices and so their held-out split."""
+    parts = []
+    for name, cut in (("a", ["--limit", 2]), ("b", ["--first", 2])):
+        parts.append(tmp_path / name)
+        code, _, err = run(capsys, "--base", model_dir, "--prompts", prompts_file, "--out", parts[-1], "--mode", "fixed",
+                           "--max-len", 24, "--store-hidden", "float16", *cut)
+        assert code == 0, err
+    joined = tmp_path / "joined"
+    assert merge_data.main([str(p) for p in parts] + ["--out", str(joined)]) == 0
+    whole, merged, first = HeadDataset(fixed_dir), HeadDataset(joined), HeadDataset(parts[0])
+    assert len(first) == 2 and len(merged) == len(whole) == 4
+    for name in ("tokens", "offsets", "loss_mask", "hidden"):
+        np.testing.assert_array_equal(getattr(merged, name), getattr(whole, name))
+    assert merged.meta["mode"] == "merged" and [p["first"] for p in merged.meta["parts"]] == [0, 2]
+    held = set(first.split(0.6)[1].tolist())
+    assert held and held == {i for i in merged.split(0.6)[1].tolist() if i < len(first)}
+    # Parts stored differently, or --out one of the parts: one line, nothing written.
+    capsys.readouterr()
+    for argv, needle in (([fixed_dir, self_dir], "differ in hidden_dtype"), ([fixed_dir, parts[0]], "")):
+        out = parts[0] if not needle else tmp_path / "bad"
+        code = merge_data.main([str(p) for p in argv] + ["--out", str(out)])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and (needle or "is one of the datasets") in err, err
+    assert not (tmp_path / "bad").exists() and HeadDataset(parts[0]).num_examples == 2

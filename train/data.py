@@ -16,13 +16,35 @@ import ml_dtypes
 import numpy as np
 
 from clover_jax.checkpoint import base_fingerprint
+from clover_jax import cli
 from clover_jax.errors import CloverError
+from clover_jax.files import atomic_path, temporary_name
 from clover_jax.model import Llama
 
 # The files `train.make_data` writes; meta.json is written last, so without it a dataset is unfinished.
 FILES = ("tokens.npy", "offsets.npy", "loss_mask.npy", "hidden.npy", "features.npy")
 META = "meta.json"
+MAKERS = ("train.make_data", "train.merge_data")  # what a dataset's meta.json may say made it
 HIDDEN_DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+
+
+def prepare_dataset_dir(out: Path) -> None:
+    """Make `out` ready for a new dataset: refuse a directory holding anything else, and remove an
+    old dataset's meta.json first, so an interrupted run never leaves old and new files looking whole."""
+    cli.check_output_dir(out, "--out")
+    out.mkdir(parents=True, exist_ok=True)
+    ours = (META,) + FILES + tuple(temporary_name(name).name for name in (META,) + FILES)  # meta.json goes first
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in ours)
+    if foreign:
+        raise CloverError(f"{out}: holds {foreign[0]}, which is not part of a dataset; choose an empty or "
+                          "new --out directory")
+    for name in ours:
+        (out / name).unlink(missing_ok=True)
+
+
+def save_array(path: Path, array: np.ndarray) -> None:
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:  # a file object: np.save would add .npy to a name
+        np.save(f, array)
 
 
 def _index_hash(indices: np.ndarray) -> np.ndarray:
@@ -48,7 +70,7 @@ class HeadDataset:
             raise CloverError(f"{self.path}: not a dataset made by train.make_data (no meta.json)")
         try:
             self.meta = json.loads(meta_path.read_text())
-            if self.meta.get("created_by") != "train.make_data":
+            if self.meta.get("created_by") not in MAKERS:
                 raise KeyError("created_by")
             self.vocab_size = int(self.meta["vocab_size"])
             self.hidden_size = int(self.meta["hidden_size"])

@@ -55,14 +55,14 @@ from clover_jax.config import ModelConfig
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import BUCKETS, Generator, bucket_for, to_host
 from clover_jax.errors import CloverError
-from clover_jax.files import atomic_path, temporary_name, write_text
+from clover_jax.files import atomic_path, write_text
 from clover_jax.model import Llama, causal_self_mask, low_mid_high
 from clover_jax.sampling import SamplingConfig
 from clover_jax.sharding import make_mesh, put_batch
 from clover_jax import cli
 from clover_jax.conversation import answer_turns, encode_conversation, masked_ids, record_turns
 from train.answers import AnswerStore
-from train.data import FILES, HIDDEN_DTYPES, META
+from train.data import HIDDEN_DTYPES, META, prepare_dataset_dir, save_array
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -236,25 +236,6 @@ def write_hidden(model: Llama, tokens: np.ndarray, offsets: np.ndarray, out: np.
                 features[offsets[e]: offsets[e + 1]] = feats[row, : lengths[e]]
 
 
-def _prepare_out(out: Path) -> None:
-    """Make `out` ready for a new dataset: refuse a directory holding anything else, and remove an
-    old dataset's meta.json first, so an interrupted run never leaves old and new files looking whole."""
-    cli.check_output_dir(out, "--out")
-    out.mkdir(parents=True, exist_ok=True)
-    ours = (META,) + FILES + tuple(temporary_name(name).name for name in (META,) + FILES)  # meta.json goes first
-    foreign = sorted(p.name for p in out.iterdir() if p.name not in ours)
-    if foreign:
-        raise CloverError(f"{out}: holds {foreign[0]}, which is not part of a dataset; choose an empty or "
-                          "new --out directory")
-    for name in ours:
-        (out / name).unlink(missing_ok=True)
-
-
-def _save_npy(path: Path, array: np.ndarray) -> None:
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:  # a file object: np.save would add .npy to a name
-        np.save(f, array)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m train.make_data",
@@ -373,7 +354,7 @@ def make_data(args: argparse.Namespace) -> int:
     mesh = make_mesh(args.mesh) if args.mesh else None
     _, model = load_pretrained(base_dir, dtype=DTYPES[args.dtype], mesh=mesh)
     out = Path(args.out)
-    _prepare_out(out)
+    prepare_dataset_dir(out)
     if args.mode == "self":
         systems = [cli.prompt_system(r.system, args.chat, args.system) for _, r in records]
         gen = Generator(model, max_len=max_len, mesh=mesh)
@@ -410,9 +391,9 @@ def make_data(args: argparse.Namespace) -> int:
                 if array is not None:
                     array.flush()
             del hidden, features
-    _save_npy(out / "tokens.npy", tokens)
-    _save_npy(out / "offsets.npy", offsets)
-    _save_npy(out / "loss_mask.npy", mask)
+    save_array(out / "tokens.npy", tokens)
+    save_array(out / "offsets.npy", offsets)
+    save_array(out / "loss_mask.npy", mask)
     meta = {"base_fingerprint": base_fingerprint(model), "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.hidden_size, "num_examples": len(examples), "num_tokens": int(len(tokens)),
             "num_response_tokens": int(mask.sum()), "mode": args.mode, "max_len": max_len,
