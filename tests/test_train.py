@@ -264,7 +264,7 @@ def test_resuming_a_finished_run_exports_the_same_heads_and_held_out_figures(tra
     assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
 
 
-def test_held_out_figures_can_come_from_another_dataset(trained, model_dir, datasets, tmp_path, capsys):
+def test_held_out_figures_and_token_counts_can_come_from_another_dataset(trained, model_dir, datasets, tmp_path, capsys):
     """`--eval-data`: the held-out split of another dataset (here made with `make_data --first`, which
     leaves out the records before it) gives the held-out figures; training still reads --data."""
     prompts = tmp_path / "prompts.jsonl"
@@ -289,6 +289,19 @@ def test_held_out_figures_can_come_from_another_dataset(trained, model_dir, data
     np.testing.assert_allclose(got["val_top1"], np.asarray(want["top1"]), rtol=1e-5)
     first = json.loads((out / "heads.json").read_text())["held_out"]
     assert got["val_loss"] != first["val_loss"]
+    # --counts-from: the exported token counts (and the loss vocabulary) are the other set's training
+    # split's; a run started with it does not resume without it.
+    counted, work2 = tmp_path / "counted", tmp_path / "work2"
+    code, _, err = _train(capsys, model_dir, datasets["plain"], counted, work2, "medusa", "--counts-from", later,
+                          "--val-fraction", 0.2, "--steps", 2, "--loss-vocab", 8)
+    assert code == 0, err
+    train_split = part.split(0.2)[0]
+    want_counts = token_counts(part.tokens, part.loss_mask * part.example_mask(train_split), base.cfg.vocab_size)
+    assert 0 < want_counts.sum() < token_counts(part.tokens, part.loss_mask, base.cfg.vocab_size).sum()
+    np.testing.assert_array_equal(load_file(str(counted / "token_counts.safetensors"))["counts"], want_counts)
+    code, _, err = _train(capsys, model_dir, datasets["plain"], counted, work2, "medusa", "--val-fraction", 0.2,
+                          "--steps", 2, "--loss-vocab", 8, "--resume")
+    assert code == 2 and "was started with counts_from=" in err, err
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])

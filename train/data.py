@@ -141,6 +141,13 @@ class HeadDataset:
         """Tokens per example [E]."""
         return np.diff(self.offsets)
 
+    def example_mask(self, indices: Sequence[int]) -> np.ndarray:
+        """[N] uint8: 1 on the tokens of the given examples."""
+        mask = np.zeros(len(self.tokens), np.uint8)
+        for e in indices:
+            mask[self.offsets[e]: self.offsets[e + 1]] = 1
+        return mask
+
     def check_base(self, base: Llama) -> None:
         """Refuse a base model other than the one the dataset (and its hidden states) came from."""
         mine = self.meta.get("base_fingerprint")

@@ -116,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="take the held-out figures from this dataset's held-out split instead of --data's, e.g. "
                         "heads trained on ShareGPT's own replies (make_data --mode fixed --first N) measured on the "
                         "base model's own answers (default: --data)")
+    p.add_argument("--counts-from", metavar="DIR",
+                   help="count the response tokens of this dataset's training split, not --data's, for the token "
+                        "counts the heads export (what --draft-vocab auto picks from when decoding), --loss-vocab and "
+                        "--draft-vocab: the base model's own answers, when --data adds text it did not write "
+                        "(default: --data)")
     p.add_argument("--out", required=True, metavar="DIR", help="where the final heads (safetensors + JSON) go")
     p.add_argument("--work-dir", metavar="DIR", help="orbax checkpoints and metrics.jsonl (default: OUT/../run-METHOD)")
     p.add_argument("--num-heads", type=int, help="number of heads (default: " + ", ".join(f"{m} {methods.get(m).depth}" for m in methods.HEADS) + ")")
@@ -194,7 +199,14 @@ def run(args) -> int:
     hcfg = HeadsConfig(args.method, args.num_heads or methods.get(args.method).depth, args.embed_source,
                        draft_vocab=args.draft_vocab)
     heads = make_heads(hcfg, base, seed=args.seed)
-    counts = token_counts(data.tokens, data.loss_mask, base.cfg.vocab_size)
+    if args.counts_from:
+        own = HeadDataset(args.counts_from)
+        own.check_base(base)
+        own.check_vocab(base.cfg.vocab_size)
+        mask = own.loss_mask * own.example_mask(own.split(args.val_fraction)[0])
+        counts = token_counts(own.tokens, mask, base.cfg.vocab_size)
+    else:
+        counts = token_counts(data.tokens, data.loss_mask, base.cfg.vocab_size)
     if args.draft_vocab:
         if not isinstance(heads, Eagle3):
             raise CloverError(f"--draft-vocab is EAGLE-3's own lm_head; {args.method} drafts from the base model's")
@@ -223,6 +235,7 @@ def run(args) -> int:
     pin_run(work, {"method": hcfg.method, "num_heads": hcfg.num_heads, "embed_source": hcfg.embed_source,
                    "draft_vocab": hcfg.draft_vocab,
                    "base": str(Path(args.base).resolve()), "data": str(Path(args.data).resolve()),
+                   "counts_from": str(Path(args.counts_from).resolve()) if args.counts_from else None,
                    **({"eval_data": str(Path(args.eval_data).resolve())} if args.eval_data else {})})
     if last.latest_step() is not None and not args.resume:
         raise CloverError(f"{work} already holds checkpoints; pass --resume to continue, or another --work-dir")
