@@ -171,6 +171,14 @@ def main(argv: list[str] | None = None) -> int:
     return cli.run_main(lambda: run(args))
 
 
+def open_dataset(path: str, base: Llama) -> HeadDataset:
+    """A dataset made with `base` over its vocabulary, or one clear error."""
+    data = HeadDataset(path)
+    data.check_base(base)
+    data.check_vocab(base.cfg.vocab_size)
+    return data
+
+
 def run(args) -> int:
     cli.use_compile_cache(args.compile_cache)
     for name in ("steps", "batch_size", "seq_len", "eval_every", "ckpt_every", "keep"):
@@ -183,26 +191,20 @@ def run(args) -> int:
     dtype = DTYPES[args.dtype]
     mesh = cli.mesh_of(args)
     _, base = load_pretrained(cli.model_dir(args.base), dtype=dtype, mesh=mesh)
-    data = HeadDataset(args.data)
-    data.check_base(base)
-    data.check_vocab(base.cfg.vocab_size)
+    data = open_dataset(args.data, base)
     if args.seq_len > base.cfg.max_position_embeddings:
         raise CloverError(f"--seq-len {args.seq_len} exceeds the base model's context "
                           f"({base.cfg.max_position_embeddings}); lower it")
     train_idx, val_idx = data.split(args.val_fraction)
     held = data
     if args.eval_data:
-        held = HeadDataset(args.eval_data)
-        held.check_base(base)
-        held.check_vocab(base.cfg.vocab_size)
+        held = open_dataset(args.eval_data, base)
         val_idx = held.split(args.val_fraction)[1]
     hcfg = HeadsConfig(args.method, args.num_heads or methods.get(args.method).depth, args.embed_source,
                        draft_vocab=args.draft_vocab)
     heads = make_heads(hcfg, base, seed=args.seed)
     if args.counts_from:
-        own = HeadDataset(args.counts_from)
-        own.check_base(base)
-        own.check_vocab(base.cfg.vocab_size)
+        own = open_dataset(args.counts_from, base)
         mask = own.loss_mask * own.example_mask(own.split(args.val_fraction)[0])
         counts = token_counts(own.tokens, mask, base.cfg.vocab_size)
     else:
