@@ -56,11 +56,11 @@ def merge(parts: list[str | Path], out: str | Path) -> dict:
     if first.hidden is not None:
         with contextlib.ExitStack() as stack:  # each file renamed into place only when all are written
             for name in ("hidden", "features") if keep_features else ("hidden",):
-                raw = [np.load(d.path / f"{name}.npy", mmap_mode="r") for d in sets]  # as stored (bfloat16: 2-byte records)
+                arrays = [getattr(d, name) for d in sets]  # the datasets' own memory maps, as make_data writes them
                 tmp = stack.enter_context(atomic_path(out / f"{name}.npy"))
-                joined = np.lib.format.open_memmap(tmp, mode="w+", dtype=raw[0].dtype,
-                                                   shape=(len(tokens),) + raw[0].shape[1:])
-                for part, s in zip(tqdm(raw, desc=f"merge {name}", unit="dataset", dynamic_ncols=True), starts):
+                joined = np.lib.format.open_memmap(tmp, mode="w+", dtype=arrays[0].dtype,
+                                                   shape=(len(tokens),) + arrays[0].shape[1:])
+                for part, s in zip(tqdm(arrays, desc=f"merge {name}", unit="dataset", dynamic_ncols=True), starts):
                     joined[s: s + len(part)] = part
                 joined.flush()
                 del joined
