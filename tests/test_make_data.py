@@ -143,9 +143,14 @@ def test_self_mode_responses_are_the_generators(self_dir, hf_tok, model):
     prompts = [hf_tok(r.get("prompt") or r["conversations"][1]["value"])["input_ids"] for r in RECORDS]
     gen = Generator(model)
     sampling = SamplingConfig(temperature=0.8)
-    first = gen.generate(prompts[:3], NEW, sampling=sampling, seed=5, eos_ids=(0,)).tokens
-    last = gen.generate([prompts[3]] * 3, NEW, sampling=sampling, seed=6, eos_ids=(0,)).tokens[:1]
-    for (tokens, mask), p, r in zip(examples, prompts, first + last):
+    # Batched shortest first (batch k with seed 5 + k), each answer back in its record's place.
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    assert order != list(range(len(prompts)))  # so the test sees the reordering
+    replies = {}
+    for k, rows in enumerate(cli.batches(order, 3)):
+        out = gen.generate([prompts[i] for i in rows], NEW, sampling=sampling, seed=5 + k, eos_ids=(0,), batch_size=3)
+        replies.update(zip(rows, out.tokens))
+    for (tokens, mask), p, r in zip(examples, prompts, [replies[i] for i in range(len(prompts))]):
         assert tokens == p + r
         assert mask == [0] * len(p) + [1] * len(r)
     _assert_hidden(self_dir, model, examples, ml_dtypes.bfloat16, 2e-2)
@@ -229,7 +234,7 @@ def test_chat_self_mode_answers_every_user_turn_after_its_own_answers(hf_tok, tm
     turns_answered = [0, 0]
     for turn in range(3):
         nxt = {}
-        for i, prompt in prompts.items():
+        for i, prompt in sorted(prompts.items(), key=lambda kv: len(kv[1])):  # shortest first
             reply = gen.generate([prompt], min(NEW, 128 - len(prompt)), sampling=sampling, seed=next(seeds),
                                  eos_ids=eos).tokens[0]
             expected[i] = (prompt + reply, masks[i] + [1] * len(reply))

@@ -168,14 +168,20 @@ def _check_ids(ids: list[int], vocab: int, where: str) -> None:
 
 def self_distill(gen: Generator, prompts: list[list[int]], max_new_tokens: int, max_len: int, batch_size: int,
                  sampling: SamplingConfig, seed: int, eos: tuple[int, ...], desc: str = "generate") -> list[list[int]]:
-    """The base model's own responses (EOS included when hit). Batch k uses seed + k; every batch has
-    one compiled shape (`Generator.generate`'s `batch_size`)."""
-    out: list[list[int]] = []
-    groups = cli.batches(prompts, batch_size)
-    for k, group in enumerate(tqdm(groups, desc=desc, unit="batch", dynamic_ncols=True)):
+    """The base model's own responses (EOS included when hit), in the prompts' order. The prompts are
+    batched shortest first: a batch is padded to the length bucket of its longest prompt, so mixing a
+    2,000-token conversation with short ones would make every row prefill and attend over 2,048
+    positions. Batch k (in that order) uses seed + k; every batch has one compiled shape per bucket
+    (`Generator.generate`'s `batch_size`)."""
+    out: list[list[int]] = [[] for _ in prompts]
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    for k, rows in enumerate(tqdm(cli.batches(order, batch_size), desc=desc, unit="batch", dynamic_ncols=True)):
+        group = [prompts[i] for i in rows]
         # Near the context limit the budget shrinks so prompt + response still fits the cache.
         new = min(max_new_tokens, max_len - max(len(p) for p in group))
-        out += gen.generate(group, new, sampling=sampling, seed=seed + k, eos_ids=eos, batch_size=batch_size).tokens
+        replies = gen.generate(group, new, sampling=sampling, seed=seed + k, eos_ids=eos, batch_size=batch_size).tokens
+        for i, reply in zip(rows, replies):
+            out[i] = reply
     return out
 
 
