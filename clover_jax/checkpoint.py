@@ -20,7 +20,7 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from clover_jax.convert import write_safetensors
-from clover_jax.draft_vocab import DraftVocab, resolve_size
+from clover_jax.draft_vocab import DraftVocab, ranking, resolve_size
 from clover_jax.eagle import DraftIds
 from clover_jax.errors import CloverError
 from clover_jax.files import write_text
@@ -30,7 +30,7 @@ from clover_jax.model import Llama
 
 WEIGHTS = "heads.safetensors"
 CONFIG = "heads.json"
-COUNTS = "token_counts.safetensors"  # how often each token occurs in the training targets (draft_vocab)
+COUNTS = "token_counts.safetensors"  # each token's count in the training targets and probability mass (draft_vocab)
 SAVED = (nnx.Param, DraftIds)  # what a heads file holds: the parameters, and EAGLE-3's draft token ids
 
 
@@ -58,16 +58,20 @@ def _stored_params(heads: Heads, dtype=None) -> dict[str, np.ndarray]:
 
 
 def save_heads(heads: Heads, base: Llama, out_dir: str | Path, extra: dict | None = None,
-               token_counts: np.ndarray | None = None, dtype=None) -> Path:
+               token_counts: np.ndarray | None = None, dtype=None, token_mass: np.ndarray | None = None) -> Path:
     """Write the heads and their config (plus `extra` metadata, e.g. training figures) to `out_dir`,
-    and the counts of the tokens they were trained to predict (for a draft vocabulary) when given.
+    and the counts of the tokens they were trained to predict (for a draft vocabulary) when given, with
+    the base model's probability mass at the same positions (`draft_vocab.probability_mass`) if given.
     `dtype` (e.g. bfloat16, half the bytes of float32 training weights): what the weights are stored
     in; loading casts them to the base model's."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_safetensors(_stored_params(heads, dtype), out / WEIGHTS)
     if token_counts is not None:
-        write_safetensors({"counts": np.asarray(token_counts, np.int64)}, out / COUNTS)
+        stats = {"counts": np.asarray(token_counts, np.int64)}
+        if token_mass is not None:
+            stats["mass"] = np.asarray(token_mass, np.float32)
+        write_safetensors(stats, out / COUNTS)
     elif (out / COUNTS).exists():  # counts of the heads this export replaces
         (out / COUNTS).unlink()
     meta = {"heads": dataclasses.asdict(heads.hcfg), "base_fingerprint": base_fingerprint(base),
@@ -91,30 +95,37 @@ def read_heads_config(heads_dir: str | Path) -> dict:
     return meta
 
 
-def load_token_counts(heads_dir: str | Path, vocab_size: int) -> np.ndarray | None:
-    """[V] token counts saved beside the heads, or None when the heads carry none."""
+def load_token_counts(heads_dir: str | Path, vocab_size: int, name: str = "counts") -> np.ndarray | None:
+    """[V] token counts saved beside the heads (`name` "mass": the probability mass), or None when the
+    heads carry none."""
     path = Path(heads_dir) / COUNTS
     if not path.is_file():
         return None
     try:
-        counts = load_file(str(path))["counts"]
+        stats = load_file(str(path))
+        if "counts" not in stats:
+            raise KeyError("no counts tensor")
     except Exception as e:  # safetensors' own error types, or no "counts" tensor
         raise CloverError(f"{path}: cannot read the token counts ({e}); delete the file or re-export the heads") from None
-    if counts.shape != (vocab_size,):
-        raise CloverError(f"{path}: counts for {counts.size} tokens, but the model has {vocab_size}; "
+    if name not in stats:
+        return None  # exported before the probability mass was
+    if stats[name].shape != (vocab_size,):
+        raise CloverError(f"{path}: {name} for {stats[name].size} tokens, but the model has {vocab_size}; "
                           "these heads belong to another model")
-    return counts
+    return stats[name]
 
 
 def load_draft_vocab(heads_dir: str | Path | None, base: Llama, spec: str | int | None = "auto",
                      greedy: bool = True) -> DraftVocab | None:
-    """The draft vocabulary a `--draft-vocab` value (`spec`) asks for, picked with the token counts saved
-    beside the heads in `heads_dir` (None: heads without counts, such as random ones); None when that
-    is the whole vocabulary. `greedy` says which `auto` means (see `draft_vocab.resolve_size`)."""
+    """The draft vocabulary a `--draft-vocab` value (`spec`) asks for, picked with the token counts (or,
+    when sampling, the probability mass) saved beside the heads in `heads_dir` (None: heads without
+    them, such as random ones); None when that is the whole vocabulary. `greedy` says which `auto`
+    means (see `draft_vocab.resolve_size`)."""
     v = base.cfg.vocab_size
     counts = None if heads_dir is None else load_token_counts(heads_dir, v)
-    size = resolve_size(spec, counts, v, greedy)
-    return DraftVocab.most_frequent(base.lm_head_weight(), counts, size) if size else None
+    mass = None if heads_dir is None or greedy else load_token_counts(heads_dir, v, "mass")
+    size = resolve_size(spec, counts, v, greedy, mass)
+    return DraftVocab.most_frequent(base.lm_head_weight(), ranking(counts, mass, greedy), size) if size else None
 
 
 def load_heads(heads_dir: str | Path, base: Llama, method: str | None = None) -> Heads:

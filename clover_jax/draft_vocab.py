@@ -8,6 +8,11 @@ do. It is lossless: verification still scores the whole vocabulary, so greedy ou
 and speculative sampling stays exact because a draft distribution q may be any distribution (tokens
 outside the subset have q = 0: never drafted, still reachable through the residual). What it can cost
 is acceptance, when the base model writes a token outside the subset, which `auto` sizes to make rare.
+
+Greedy and sampled decoding need different subsets. Greedy text is the argmax, so counting the tokens
+it writes ranks them. Sampling draws from the whole distribution, whose tail no count of greedy tokens
+sees, so the export also sums the base model's probabilities (temperature 1) over the same positions,
+the `mass` beside the counts, and sampling ranks tokens by that.
 """
 
 from __future__ import annotations
@@ -19,7 +24,10 @@ import numpy as np
 
 from clover_jax.errors import CloverError
 
-AUTO_COVERAGE = 0.999  # `auto` keeps the most frequent tokens that make up this share of the counts
+AUTO_COVERAGE = 0.999  # greedy `auto` keeps the most frequent tokens that make up this share of the counts
+# Sampling `auto` keeps the most probable tokens holding this share of the base model's probability mass:
+# a draft can lose at most the mass outside the subset, so 1% bounds what acceptance gives up.
+AUTO_MASS_COVERAGE = 0.99
 ALIGN = 128  # `auto` rounds its size up to a multiple of this (TPU lanes; divides over a model axis)
 
 
@@ -27,6 +35,20 @@ def token_counts(tokens: np.ndarray, loss_mask: np.ndarray, vocab_size: int) -> 
     """[V] int64 occurrences of each token among the trained-on targets (the tokens the heads learnt
     to predict: the base model's own responses in a self-distilled data set)."""
     return np.bincount(np.asarray(tokens)[np.asarray(loss_mask).astype(bool)], minlength=vocab_size).astype(np.int64)
+
+
+def probability_mass(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """[V] float32: the base model's next-token distributions (temperature 1) summed over the positions
+    `mask` [...] marks, from its logits [..., V]. What sampling draws from, where `token_counts` only
+    sees the argmax greedy decoding writes."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.einsum("...v,...->v", probs, mask.astype(jnp.float32))
+
+
+def _covering(weights: np.ndarray, coverage: float) -> int:
+    """How many of the heaviest `weights` it takes to hold `coverage` of their sum, rounded up to ALIGN."""
+    cumulative = np.cumsum(np.sort(np.asarray(weights, np.float64))[::-1]) / float(np.sum(weights, dtype=np.float64))
+    return -(-(int(np.searchsorted(cumulative, coverage)) + 1) // ALIGN) * ALIGN
 
 
 def parse_size(spec: str | int | None) -> str | int:
@@ -43,26 +65,33 @@ def parse_size(spec: str | int | None) -> str | int:
     return size
 
 
-def resolve_size(spec: str | int | None, counts: np.ndarray | None, vocab_size: int, greedy: bool = True) -> int:
+def resolve_size(spec: str | int | None, counts: np.ndarray | None, vocab_size: int, greedy: bool = True,
+                 mass: np.ndarray | None = None) -> int:
     """The draft vocabulary size a `--draft-vocab` value asks for; 0 means the whole vocabulary.
 
-    auto: when decoding greedily, the most frequent tokens covering AUTO_COVERAGE of the counts (rounded
-    up to ALIGN); the whole vocabulary when sampling or without counts. The counts are of the tokens
-    the model writes greedily (self-distilled data); sampling also draws from the tail they miss, and
-    on the reference model at temperature 1 a 128-token subset cut Clover-2's tau from 2.06 to 1.42.
-    0: the whole vocabulary; N: the N most frequent tokens (the whole vocabulary when N >= V), which
-    needs counts."""
+    auto, greedy: the most frequent tokens covering AUTO_COVERAGE of the counts. auto, sampling: the
+    most probable tokens holding AUTO_MASS_COVERAGE of the probability mass; without it (heads exported
+    before it existed) the whole vocabulary, since greedy counts miss the tail sampling draws from (on
+    the reference model at temperature 1 a 128-token subset cut Clover-2's tau from 2.06 to 1.42).
+    Either is rounded up to ALIGN; without counts, the whole vocabulary. 0: the whole vocabulary; N:
+    the N top tokens (the whole vocabulary when N >= V), which needs counts (`ranking` says which)."""
     size = parse_size(spec)
     if size == "auto":
-        if not greedy or counts is None or counts.sum() == 0:
+        weights, coverage = (counts, AUTO_COVERAGE) if greedy else (mass, AUTO_MASS_COVERAGE)
+        if weights is None or np.sum(weights) <= 0:
             return 0
-        cumulative = np.cumsum(np.sort(counts)[::-1]) / counts.sum()
-        size = -(-(int(np.searchsorted(cumulative, AUTO_COVERAGE)) + 1) // ALIGN) * ALIGN
+        size = _covering(weights, coverage)
     else:
-        if 0 < size < vocab_size and counts is None:
+        if 0 < size < vocab_size and counts is None and mass is None:
             raise CloverError(f"--draft-vocab {size}: these heads carry no token counts to pick the most frequent "
                               "tokens from; re-export them with train.train, or pass --draft-vocab 0")
     return 0 if size >= vocab_size else size
+
+
+def ranking(counts: np.ndarray | None, mass: np.ndarray | None, greedy: bool) -> np.ndarray | None:
+    """What orders the tokens for a draft vocabulary: the probability mass when sampling and the heads
+    carry it, else the counts of the greedy tokens."""
+    return mass if not greedy and mass is not None else counts
 
 
 @flax.struct.dataclass
@@ -75,8 +104,8 @@ class DraftVocab:
 
     @classmethod
     def most_frequent(cls, lm_head: jax.Array, counts: np.ndarray | None, size: int) -> "DraftVocab":
-        """The `size` most frequent tokens of `counts` (ties by id; no counts: the first ids), with
-        their rows of `lm_head` [V, D]."""
+        """The `size` tokens with the largest `counts` (token counts or probability mass; ties by id; no
+        counts: the first ids), with their rows of `lm_head` [V, D]."""
         v = lm_head.shape[0]
         if not 0 < size <= v:
             raise CloverError(f"a draft vocabulary of {size} tokens does not fit a vocabulary of {v}")

@@ -82,9 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "tree dynamic:N / eagle2:N (default: auto; each row names the tree it used)")
     p.add_argument("--draft-vocab", default="auto", metavar="LIST",
                    help="comma-separated draft vocabularies to measure every speculative method with: N (the N "
-                        "most frequent tokens of the heads' training data), 0 (the whole vocabulary) or auto "
-                        "(99.9%% of those tokens when greedy, the whole vocabulary when sampling); with --shape, "
-                        "N drafts from N tokens of the random model and auto from all (default: %(default)s)")
+                        "most frequent tokens of the heads' training data; when sampling, the N most probable "
+                        "under the base model there), 0 (the whole vocabulary) or auto (99.9%% of those tokens "
+                        "when greedy, 99%% of that probability mass when sampling; the whole vocabulary when "
+                        "sampling with heads exported without it); with --shape, N drafts from N tokens of the "
+                        "random model and auto from all (default: %(default)s)")
     p.add_argument("--prompts", metavar="FILE",
                    help="JSONL prompts: {\"prompt\"}, Spec-Bench {\"turns\"} or ShareGPT {\"conversations\"} "
                         "records, their first turns and, with --chat, their later ones (--turns) "

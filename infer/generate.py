@@ -91,9 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "every head on a CPU, where each verified token costs compute (default: %(default)s)")
     p.add_argument("--draft-vocab", default="auto", metavar="N",
                    help="tokens the heads draft from: the N most frequent in the heads' training data (counted "
-                        "at export), which cuts the lm_head read of every draft level to N/V of it and changes "
-                        "no output; 0: the whole vocabulary; auto: the tokens making up 99.9%% of the counts "
-                        "when greedy, the whole vocabulary when sampling (default: %(default)s)")
+                        "at export; when sampling, the N most probable under the base model there), which cuts "
+                        "the lm_head read of every draft level to N/V of it and changes no output; 0: the whole "
+                        "vocabulary; auto: the tokens making up 99.9%% of the counts when greedy, 99%% of the "
+                        "probability mass when sampling (the whole vocabulary for heads exported without it) "
+                        "(default: %(default)s)")
     p.add_argument("--num-heads", type=int, metavar="K",
                    help="number of heads with --heads random (default: " + ", ".join(f"{m} {methods.get(m).depth}" for m in methods.HEADS) + ")")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",

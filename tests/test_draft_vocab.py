@@ -8,9 +8,10 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from clover_jax.checkpoint import COUNTS, load_token_counts, save_heads
+from clover_jax.checkpoint import COUNTS, load_draft_vocab, load_token_counts, save_heads
 from clover_jax.config import ModelConfig
-from clover_jax.draft_vocab import ALIGN, DraftVocab, parse_size, resolve_size, token_counts
+from clover_jax.draft_vocab import (ALIGN, AUTO_MASS_COVERAGE, DraftVocab, parse_size, probability_mass, ranking,
+                                    resolve_size, token_counts)
 from clover_jax.errors import CloverError
 from clover_jax.heads import HeadsConfig, make_heads
 from clover_jax.model import Llama
@@ -35,6 +36,40 @@ def test_auto_covers_the_counts_greedily_and_takes_everything_when_sampling():
     assert resolve_size("0", counts, v) == 0
     assert resolve_size("100", counts, v, greedy=False) == 100  # an explicit size is kept, unrounded
     assert resolve_size(v, None, v) == 0  # N >= V needs no counts
+
+
+def test_auto_covers_the_probability_mass_when_sampling():
+    """Sampling draws from the tail greedy counts never see: with the base model's probability mass
+    `auto` keeps the most probable tokens holding AUTO_MASS_COVERAGE of it, and N picks by mass."""
+    v = 8 * ALIGN
+    counts = np.zeros(v, np.int64)
+    counts[:100] = 1000  # greedy text: 100 tokens
+    mass = np.zeros(v, np.float32)
+    mass[:100] = 1.0
+    mass[100:400] = 0.3  # the tail sampling reaches: 90 of 190, so 100 tokens hold under half the mass
+    mass[400:] = 1e-6
+    share = np.cumsum(np.sort(mass)[::-1]) / mass.sum()
+    needed = int(np.searchsorted(share, AUTO_MASS_COVERAGE)) + 1
+    assert 100 < needed <= 400
+    assert resolve_size("auto", counts, v, greedy=False, mass=mass) == -(-needed // ALIGN) * ALIGN
+    assert resolve_size("auto", counts, v, greedy=True, mass=mass) == ALIGN  # greedy ignores the mass
+    assert resolve_size("auto", None, v, greedy=False, mass=mass) > 0  # the mass alone is enough
+    assert resolve_size("64", None, v, greedy=False, mass=mass) == 64
+    np.testing.assert_array_equal(ranking(counts, mass, greedy=False), mass)
+    np.testing.assert_array_equal(ranking(counts, mass, greedy=True), counts)
+    np.testing.assert_array_equal(ranking(counts, None, greedy=False), counts)  # older heads: by counts
+
+
+def test_probability_mass_sums_the_next_token_distributions_where_masked():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, 5, 11)).astype(np.float32)
+    mask = np.array([[1, 0, 1, 1, 0], [0, 0, 0, 1, 1]], np.float32)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    want = (probs * mask[..., None]).sum((0, 1))
+    got = np.asarray(probability_mass(jnp.asarray(logits), jnp.asarray(mask)))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert got.sum() == pytest.approx(mask.sum(), rel=1e-5)  # each position's distribution sums to one
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -87,6 +122,25 @@ def test_counts_are_saved_beside_the_heads_and_replaced_with_them(base, tmp_path
     np.testing.assert_array_equal(load_token_counts(tmp_path, v), counts)
     save_heads(heads, base, tmp_path)  # new heads without counts: the old heads' counts go with them
     assert not (tmp_path / COUNTS).exists()
+
+
+def test_sampling_drafts_from_the_probability_mass_saved_beside_the_heads(base, tmp_path):
+    """The counts rank tokens for greedy decoding and the probability mass for sampling; heads exported
+    before the mass existed still sample over the whole vocabulary under `auto`."""
+    heads = make_heads(HeadsConfig("medusa", 1), base)
+    v = base.cfg.vocab_size
+    counts = np.zeros(v, np.int64)
+    counts[:4] = 10  # greedy text uses four tokens
+    mass = np.linspace(1.0, 2.0, v).astype(np.float32)  # the base model's distribution favours the last ids
+    save_heads(heads, base, tmp_path, token_counts=counts)
+    assert load_token_counts(tmp_path, v, "mass") is None
+    assert load_draft_vocab(tmp_path, base, "auto", greedy=False) is None
+    save_heads(heads, base, tmp_path, token_counts=counts, token_mass=mass)
+    np.testing.assert_array_equal(load_token_counts(tmp_path, v, "mass"), mass)
+    np.testing.assert_array_equal(np.asarray(load_draft_vocab(tmp_path, base, "4").ids), [0, 1, 2, 3])
+    np.testing.assert_array_equal(np.asarray(load_draft_vocab(tmp_path, base, "4", greedy=False).ids),
+                                  np.arange(v - 4, v))
+    assert load_draft_vocab(tmp_path, base, "auto", greedy=False) is None  # rounded up to ALIGN: past V (64)
 
 
 @pytest.mark.parametrize("damage, message", [("garbage", "cannot read the token counts"),

@@ -304,6 +304,27 @@ def test_held_out_figures_and_token_counts_can_come_from_another_dataset(trained
     assert code == 2 and "was started with counts_from=" in err, err
 
 
+def test_exported_probability_mass_is_the_base_models_before_each_trained_response_token(trained, model_dir, datasets):
+    """What `--draft-vocab auto` samples from: the base model's next-token distributions summed over the
+    positions whose next token is a response token of the counted examples (one window each)."""
+    out, _, _, _ = trained["medusa"]  # --seq-len 32; no --counts-from: all of --data
+    base = _base(model_dir)
+    data = HeadDataset(datasets["plain"])
+    want = np.zeros(base.cfg.vocab_size)
+    targets = 0
+    for batch in data.eval_batches(32, 1):
+        tokens, mask = batch["tokens"], batch["loss_mask"][0].astype(bool)
+        logits = np.asarray(base(jnp.asarray(tokens), jnp.arange(32)[None], causal_self_mask(1, 32)).logits[0])
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        want += probs[:-1][mask[1:]].sum(0)  # position t predicts token t + 1
+        targets += mask[1:].sum()
+    stats = load_file(str(out / "token_counts.safetensors"))
+    np.testing.assert_allclose(stats["mass"], want, rtol=1e-4, atol=1e-6)
+    assert stats["mass"].sum() == pytest.approx(targets, rel=1e-4)
+    assert stats["counts"].sum() >= targets  # responses cut off by the window are counted, not massed
+
+
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_a_draft_model_resumes_to_identical_heads(method, trained, model_dir, datasets, tmp_path, capsys):
     """Stopped after step 3 and resumed, EAGLE-1 (whose feature noise is drawn per step) and EAGLE-3

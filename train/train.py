@@ -28,7 +28,7 @@ from clover_jax import methods
 from clover_jax.checkpoint import save_heads
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import to_host
-from clover_jax.draft_vocab import DraftVocab, token_counts
+from clover_jax.draft_vocab import DraftVocab, probability_mass, token_counts
 from clover_jax.drafter import Drafter
 from clover_jax.eagle import Eagle3, EagleDrafter
 from clover_jax.errors import CloverError
@@ -41,6 +41,7 @@ from train.data import HeadDataset
 from train.runs import MetricsLog, pin_run, restore_latest, stop_due, stop_on_interrupt
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+MASS_EXAMPLES = 256  # the exported probability mass sums over at most this many examples, evenly spaced
 
 
 def base_states(base: Llama, tokens: jax.Array, hidden: jax.Array | None, feature_layers: tuple[int, ...] = (),
@@ -60,6 +61,31 @@ def base_states(base: Llama, tokens: jax.Array, hidden: jax.Array | None, featur
     normed = base.norm(hidden)
     logits = base.logits(normed) if vocab is None else vocab.logits(normed)
     return hidden, normed, jax.lax.stop_gradient(logits), features
+
+
+def token_mass(base: Llama, data: HeadDataset, indices: np.ndarray, seq_len: int, batch_size: int,
+               place) -> np.ndarray:
+    """[V] the base model's probability mass (`draft_vocab.probability_mass`) before each response token
+    of the examples `indices` names, one window of `seq_len` each (MASS_EXAMPLES of them at most, evenly
+    spaced: enough to rank the tokens that hold nearly all of it). `place` puts a host batch on the
+    devices. What `--draft-vocab auto` picks from when sampling."""
+    indices = np.asarray(indices)
+    if not len(indices):
+        return np.zeros(base.cfg.vocab_size, np.float64)
+    picked = indices[np.linspace(0, len(indices) - 1, min(len(indices), MASS_EXAMPLES)).round().astype(int)]
+    graphdef, params = nnx.split(base)
+
+    @jax.jit
+    def mass_of(params, tokens, hidden, loss_mask):
+        _, _, logits, _ = base_states(nnx.merge(graphdef, params), tokens, hidden)
+        return probability_mass(logits, losses.shift_left(loss_mask, 1))  # position t predicts token t + 1
+
+    total = np.zeros(base.cfg.vocab_size, np.float64)
+    batches = data.eval_batches(seq_len, batch_size, picked)
+    for batch in tqdm(batches, total=-(-len(picked) // batch_size), desc="probability mass", dynamic_ncols=True):
+        hidden = None if batch["hidden"] is None else place(batch["hidden"])
+        total += to_host(mass_of(params, place(batch["tokens"]), hidden, place(batch["loss_mask"])))
+    return total
 
 
 def head_loss(heads: Drafter, base: Llama, batch: dict, with_hits: bool = False, key: jax.Array | None = None,
@@ -118,9 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "base model's own answers (default: --data)")
     p.add_argument("--counts-from", metavar="DIR",
                    help="count the response tokens of this dataset's training split, not --data's, for the token "
-                        "counts the heads export (what --draft-vocab auto picks from when decoding), --loss-vocab and "
-                        "--draft-vocab: the base model's own answers, when --data adds text it did not write "
-                        "(default: --data)")
+                        "counts and probability mass the heads export (what --draft-vocab auto picks from when "
+                        "decoding greedily and when sampling), --loss-vocab and --draft-vocab: the base model's own "
+                        "answers, when --data adds text it did not write (default: all of --data)")
     p.add_argument("--out", required=True, metavar="DIR", help="where the final heads (safetensors + JSON) go")
     p.add_argument("--work-dir", metavar="DIR", help="orbax checkpoints and metrics.jsonl (default: OUT/../run-METHOD)")
     p.add_argument("--num-heads", type=int, help="number of heads (default: " + ", ".join(f"{m} {methods.get(m).depth}" for m in methods.HEADS) + ")")
@@ -203,12 +229,11 @@ def run(args) -> int:
     hcfg = HeadsConfig(args.method, args.num_heads or methods.get(args.method).depth, args.embed_source,
                        draft_vocab=args.draft_vocab)
     heads = make_heads(hcfg, base, seed=args.seed)
-    if args.counts_from:
-        own = open_dataset(args.counts_from, base)
-        mask = own.loss_mask * own.example_mask(own.split(args.val_fraction)[0])
-        counts = token_counts(own.tokens, mask, base.cfg.vocab_size)
-    else:
-        counts = token_counts(data.tokens, data.loss_mask, base.cfg.vocab_size)
+    # The exported counts and probability mass: of --counts-from's training split, else of all of --data
+    # (as runs before --counts-from counted, so that EAGLE-3's draft ids stay the same when they resume).
+    counted = open_dataset(args.counts_from, base) if args.counts_from else data
+    counted_idx = counted.split(args.val_fraction)[0] if args.counts_from else np.arange(data.num_examples)
+    counts = token_counts(counted.tokens, counted.loss_mask * counted.example_mask(counted_idx), base.cfg.vocab_size)
     if args.draft_vocab:
         if not isinstance(heads, Eagle3):
             raise CloverError(f"--draft-vocab is EAGLE-3's own lm_head; {args.method} drafts from the base model's")
@@ -267,8 +292,9 @@ def run(args) -> int:
 
     evaluate = jax.jit(lambda p, bp, batch: loss_on(p, bp, batch, with_hits=True)[1])
 
+    place = jnp.asarray if mesh is None else (lambda x: put_batch(x, mesh))
+
     def to_device(batch):  # every process computes the whole batch: it is a function of the step
-        place = jnp.asarray if mesh is None else (lambda x: put_batch(x, mesh))
         return {k: place(v) for k, v in batch.items() if v is not None and (k != "features" or stored_features)}
 
     def held_out(step):
@@ -330,6 +356,7 @@ def run(args) -> int:
     best.wait_until_finished()
     if not ev:  # resumed after its last step: the export still carries the held-out figures
         ev = held_out(args.steps)
+    mass = token_mass(base, counted, counted_idx, args.seq_len, args.batch_size, place)
     if jax.process_count() > 1:  # the export is written once, from every process's shards
         params = jax.tree.map(to_host, params)
         if jax.process_index() != 0:
@@ -337,7 +364,8 @@ def run(args) -> int:
     nnx.update(heads, params)
     extra = {"training": {k: v for k, v in vars(args).items() if k != "resume"}, "final_step": args.steps,
              "held_out": ev}
-    save_heads(heads, base, args.out, extra=extra, token_counts=counts, dtype=DTYPES[args.export_dtype])
+    save_heads(heads, base, args.out, extra=extra, token_counts=counts, dtype=DTYPES[args.export_dtype],
+               token_mass=mass)
     summary = f": held-out top1 {ev['val_top1']}, chain tau {ev['val_chain_tau']:.2f}" if ev else ""
     print(f"saved {args.method} heads to {args.out}{summary}")
     return 0
