@@ -4,11 +4,13 @@ no other model's. A file of its own, so the test workers share the SmolLM2 tests
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from clover_jax import cli, methods, sources
-from clover_jax.checkpoint import base_fingerprint, read_heads_config
+from clover_jax.checkpoint import base_fingerprint, load_draft_vocab, load_token_counts, read_heads_config
 from clover_jax.convert import load_pretrained
+from clover_jax.draft_vocab import AUTO_MASS_COVERAGE
 from clover_jax.decode import Generator
 from infer import generate
 
@@ -53,6 +55,20 @@ def test_shipped_heads_are_smollm2s_and_fit_their_budget(smollm2):
         assert meta["base_fingerprint"] == base_fingerprint(model) and meta["heads"]["method"] == method
     size = sum(f.stat().st_size for f in SHIPPED.rglob("*") if f.is_file())
     assert size < (45 + 30) * 2**20  # Medusa, Clover and Clover-2 under 45 MB, EAGLE-1 and -3 30 MB more
+
+
+def test_shipped_heads_sample_from_the_tokens_holding_the_probability_mass(smollm2):
+    """When sampling, `auto` drafts from the most probable tokens holding 99% of the base model's mass
+    over the heads' training answers: a sixth to a quarter of SmolLM2's 49,152, not all of them."""
+    model, _ = smollm2
+    v = model.cfg.vocab_size
+    for method in methods.BUILT_IN:
+        mass = load_token_counts(SHIPPED / method, v, "mass")
+        assert mass is not None and (mass >= 0).all() and mass.sum() > 1000, method
+        vocab = load_draft_vocab(SHIPPED / method, model, "auto", greedy=False)
+        assert vocab is not None and v // 8 < vocab.size < v // 2, method
+        held = mass[np.asarray(vocab.ids)].sum() / mass.sum()
+        assert AUTO_MASS_COVERAGE <= held < AUTO_MASS_COVERAGE + 0.005, (method, held)
 
 
 @pytest.mark.parametrize("model,heads", [("smollm2", "models/reference/heads/clover2"),
