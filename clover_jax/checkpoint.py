@@ -95,24 +95,29 @@ def read_heads_config(heads_dir: str | Path) -> dict:
     return meta
 
 
-def load_token_counts(heads_dir: str | Path, vocab_size: int, name: str = "counts") -> np.ndarray | None:
-    """[V] token counts saved beside the heads (`name` "mass": the probability mass), or None when the
-    heads carry none."""
+def load_token_stats(heads_dir: str | Path, vocab_size: int) -> dict[str, np.ndarray]:
+    """The [V] arrays saved beside the heads: "counts" (greedy token counts) and, for heads exported
+    since, "mass" (the base model's probability mass); empty when the heads carry none."""
     path = Path(heads_dir) / COUNTS
     if not path.is_file():
-        return None
+        return {}
     try:
         stats = load_file(str(path))
         if "counts" not in stats:
             raise KeyError("no counts tensor")
     except Exception as e:  # safetensors' own error types, or no "counts" tensor
         raise CloverError(f"{path}: cannot read the token counts ({e}); delete the file or re-export the heads") from None
-    if name not in stats:
-        return None  # exported before the probability mass was
-    if stats[name].shape != (vocab_size,):
-        raise CloverError(f"{path}: {name} for {stats[name].size} tokens, but the model has {vocab_size}; "
-                          "these heads belong to another model")
-    return stats[name]
+    for name, values in stats.items():
+        if values.shape != (vocab_size,):
+            raise CloverError(f"{path}: {name} for {values.size} tokens, but the model has {vocab_size}; "
+                              "these heads belong to another model")
+    return stats
+
+
+def load_token_counts(heads_dir: str | Path, vocab_size: int, name: str = "counts") -> np.ndarray | None:
+    """[V] token counts saved beside the heads (`name` "mass": the probability mass), or None when the
+    heads carry none."""
+    return load_token_stats(heads_dir, vocab_size).get(name)
 
 
 def load_draft_vocab(heads_dir: str | Path | None, base: Llama, spec: str | int | None = "auto",
@@ -122,8 +127,8 @@ def load_draft_vocab(heads_dir: str | Path | None, base: Llama, spec: str | int 
     them, such as random ones); None when that is the whole vocabulary. `greedy` says which `auto`
     means (see `draft_vocab.resolve_size`)."""
     v = base.cfg.vocab_size
-    counts = None if heads_dir is None else load_token_counts(heads_dir, v)
-    mass = None if heads_dir is None or greedy else load_token_counts(heads_dir, v, "mass")
+    stats = {} if heads_dir is None else load_token_stats(heads_dir, v)
+    counts, mass = stats.get("counts"), None if greedy else stats.get("mass")
     size = resolve_size(spec, counts, v, greedy, mass)
     return DraftVocab.most_frequent(base.lm_head_weight(), ranking(counts, mass, greedy), size) if size else None
 
