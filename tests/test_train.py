@@ -326,7 +326,8 @@ def test_exported_probability_mass_is_the_base_models_before_each_trained_respon
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_a_draft_model_resumes_to_identical_heads(method, trained, model_dir, datasets, tmp_path, capsys):
+def test_a_draft_model_resumes_to_identical_heads(method, trained, model_dir, datasets, tmp_path, capsys,
+                                                  monkeypatch):
     """Stopped after step 3 and resumed, EAGLE-1 (whose feature noise is drawn per step) and EAGLE-3
     (with its draft vocabulary) export the heads of the straight run."""
     extra = ["--draft-vocab", 40] if method == "eagle3" else []
@@ -342,6 +343,11 @@ def test_a_draft_model_resumes_to_identical_heads(method, trained, model_dir, da
     if method == "eagle3":  # another draft vocabulary would change what the checkpoints hold
         code, _, err = _train(capsys, model_dir, datasets[DATA_OF[method]], out, work, method, "--resume")
         assert code == 2 and err.count("\n") == 1 and "was started with draft_vocab=40, not 0" in err, err
+        # Nor over other token counts, which would pick other draft ids than the checkpoints were trained with.
+        counted = train.token_counts
+        monkeypatch.setattr(train, "token_counts", lambda tokens, mask, v: counted(tokens, mask, v) + (np.arange(v) == 7))
+        code, _, err = _train(capsys, model_dir, datasets[DATA_OF[method]], out, work, method, "--resume", *extra)
+        assert code == 2 and err.count("\n") == 1 and "was started with token_counts_sha256=" in err, err
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ loads.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 import time
 from pathlib import Path
@@ -263,6 +264,9 @@ def run(args) -> int:
                    "draft_vocab": hcfg.draft_vocab,
                    "base": str(Path(args.base).resolve()), "data": str(Path(args.data).resolve()),
                    "counts_from": str(Path(args.counts_from).resolve()) if args.counts_from else None,
+                   # What picks EAGLE-3's draft ids and the loss vocabulary, neither of which the checkpoints hold:
+                   # a resume over other counts (the data rebuilt in place, or counted another way) is refused.
+                   "token_counts_sha256": hashlib.sha256(np.asarray(counts, np.int64).tobytes()).hexdigest(),
                    **({"eval_data": str(Path(args.eval_data).resolve())} if args.eval_data else {})})
     if last.latest_step() is not None and not args.resume:
         raise CloverError(f"{work} already holds checkpoints; pass --resume to continue, or another --work-dir")
