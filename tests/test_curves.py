@@ -16,8 +16,9 @@ def _work(path, method, records):
     return path
 
 
-def _held(step, time, tau, loss, top1):
-    return {"step": step, "time": time, "val_loss": loss, "val_top1": top1, "val_chain_tau": tau}
+def _held(step, time, tau, loss, top1, by_depth=None):
+    record = {"step": step, "time": time, "val_loss": loss, "val_top1": top1, "val_chain_tau": tau}
+    return record | ({"val_chain_tau_by_depth": by_depth} if by_depth else {})  # runs before it: none
 
 
 @pytest.fixture
@@ -27,7 +28,7 @@ def runs(tmp_path):
     a = _work(tmp_path / "a", "clover2", [
         {"step": 10, "time": 0.0, "loss": 9.0}, _held(10, 5.0, 1.1, 8.0, [0.1, 0.2]),
         {"step": 20, "time": 65.0, "loss": 7.0}, _held(20, 70.0, 1.15, 7.5, [0.1, 0.2]),
-        {"step": 20, "time": 3670.0, "loss": 7.0}, _held(20, 3690.0, 1.2, 7.0, [0.3, 0.25]),
+        {"step": 20, "time": 3670.0, "loss": 7.0}, _held(20, 3690.0, 1.2, 7.0, [0.3, 0.25], [1.15, 1.2]),
     ])
     b = _work(tmp_path / "b", "medusa", [{"step": 30, "time": 0.0, "loss": 5.0}, _held(30, 120.0, 1.3, 6.0, [0.4])])
     return a, b
@@ -37,9 +38,9 @@ def test_table_keeps_a_resumed_steps_latest_evaluation_and_leaves_stops_out_of_t
     assert curves.main([str(p) for p in runs]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == ("| run | method | minutes | chain tau @ 10 | chain tau @ 20 | chain tau @ 30 | held-out loss "
-                        "| top-1 per head (last) |")
-    assert lines[2] == "| a | clover2 | 1.5 | 1.100 | 1.200 |  | 8.00 -> 7.00 | 0.300, 0.250 |"  # 90 s: the 3,600 idle left out
-    assert lines[3] == "| b | medusa | 2.0 |  |  | 1.300 | 6.00 -> 6.00 | 0.400 |"
+                        "| top-1 per head (last) | chain tau by depth (last) |")
+    assert lines[2] == "| a | clover2 | 1.5 | 1.100 | 1.200 |  | 8.00 -> 7.00 | 0.300, 0.250 | 1.150, 1.200 |"  # 90 s: the 3,600 idle left out
+    assert lines[3] == "| b | medusa | 2.0 |  |  | 1.300 | 6.00 -> 6.00 | 0.400 |  |"
 
 
 def test_plot_and_table_files_are_written(runs, tmp_path, capsys):

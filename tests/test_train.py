@@ -190,6 +190,9 @@ def test_training_lowers_the_loss_and_leaves_the_base_alone(method, trained, mod
     if method == "medusa":
         assert len(meta["held_out"]["val_top1"]) == NUM_HEADS and (work / "best").is_dir()
         assert 1.0 <= meta["held_out"]["val_chain_tau"] <= NUM_HEADS + 1
+        by_depth = meta["held_out"]["val_chain_tau_by_depth"]  # chains through the first 1, 2, ... heads
+        assert len(by_depth) == NUM_HEADS and by_depth[-1] == meta["held_out"]["val_chain_tau"]
+        assert all(1.0 <= tau <= depth + 1 for depth, tau in enumerate(by_depth, 1)), by_depth
 
     # The checkpoint holds the heads' parameters and an optimizer state over them alone.
     mgr = ocp.CheckpointManager(work / "checkpoints")

@@ -4,8 +4,8 @@ python -m train.curves runs/smollm2-r5-medusa runs/smollm2-r5-clover runs/smollm
 
 Each work directory train.train wrote holds run.json (the method) and metrics.jsonl (a training record
 every 10 steps, a held-out one every --eval-every). The table gives, per run, the held-out chain tau at
-every evaluation, the held-out loss from first to last, the top-1 accuracy per head at the last, and
-the minutes the steps took; the plot draws chain tau and loss against the step, a colour per method.
+every evaluation, the held-out loss from first to last, the top-1 accuracy per head and the chain tau
+of a chain through the first 1, 2, ... heads at the last, and the minutes the steps took; the plot draws chain tau and loss against the step, a colour per method.
 """
 
 from __future__ import annotations
@@ -35,11 +35,13 @@ class Curve:
     loss: list[float]
     top1: list[list[float]]
     minutes: float
+    by_depth: list[float]  # the last evaluation's chain tau through the first 1, 2, ... heads (older runs: none)
 
     def row(self, steps: list[int]) -> list[str]:
         tau = dict(zip(self.steps, self.chain_tau))
         return ([self.name, self.method, f"{self.minutes:.1f}"] + [f"{tau[s]:.3f}" if s in tau else "" for s in steps]
-                + [f"{self.loss[0]:.2f} -> {self.loss[-1]:.2f}", ", ".join(f"{a:.3f}" for a in self.top1[-1])])
+                + [f"{self.loss[0]:.2f} -> {self.loss[-1]:.2f}", ", ".join(f"{a:.3f}" for a in self.top1[-1]),
+                   ", ".join(f"{t:.3f}" for t in self.by_depth)])
 
 
 def read_curve(work: str | Path) -> Curve:
@@ -60,13 +62,15 @@ def read_curve(work: str | Path) -> Curve:
     busy = sum(b - a for a, b in zip(times, times[1:]) if b - a < STOPPED_S)
     steps = sorted(held)
     return Curve(work.name, method, steps, [held[s]["val_chain_tau"] for s in steps],
-                 [held[s]["val_loss"] for s in steps], [held[s]["val_top1"] for s in steps], busy / 60)
+                 [held[s]["val_loss"] for s in steps], [held[s]["val_top1"] for s in steps], busy / 60,
+                 held[steps[-1]].get("val_chain_tau_by_depth", []))
 
 
 def table(curves: list[Curve]) -> str:
     """A Markdown table: a row per run, a chain tau column per evaluated step."""
     steps = sorted({s for c in curves for s in c.steps})
-    head = ["run", "method", "minutes"] + [f"chain tau @ {s}" for s in steps] + ["held-out loss", "top-1 per head (last)"]
+    head = (["run", "method", "minutes"] + [f"chain tau @ {s}" for s in steps]
+            + ["held-out loss", "top-1 per head (last)", "chain tau by depth (last)"])
     lines = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
     return "\n".join(lines + ["| " + " | ".join(c.row(steps)) + " |" for c in curves])
 
