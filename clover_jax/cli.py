@@ -304,6 +304,17 @@ def run_main(body: Callable[[], int]) -> int:
         return INTERRUPTED
 
 
+def check_plot_format(out: str) -> None:
+    """Refuse a --plot suffix matplotlib cannot write (no suffix means PNG)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    suffix = Path(out).suffix[1:].lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        raise CloverError(f"--plot {out}: cannot write a .{suffix} image; end the name in one of "
+                          f"{', '.join('.' + f for f in sorted(formats))}")
+
+
 def batches(items: Sequence, size: int) -> list[Sequence]:
     """`items` in consecutive chunks of at most `size`."""
     if size < 1:

@@ -316,7 +316,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
             raise CloverError(f"{flag} {out} is a folder; give a file path")
         cli.check_output_dir(Path(out).parent, flag)
     if args.plot:
-        report.check_plot_format(args.plot)
+        cli.check_plot_format(args.plot)
     if args.profile:
         cli.check_output_dir(args.profile, "--profile")
 

@@ -13,7 +13,6 @@ import jax
 import numpy as np
 
 from clover_jax import methods
-from clover_jax.errors import CloverError
 from clover_jax.files import atomic_path, write_text
 
 
@@ -251,17 +250,6 @@ def plot(rows: list[Row], out: str, shape: dict | None = None) -> None:
     with atomic_path(out) as tmp:  # the format from out's own suffix: the temporary's is .tmp
         fig.savefig(tmp, dpi=110, bbox_inches="tight", format=Path(out).suffix[1:].lower() or "png")
     plt.close(fig)
-
-
-def check_plot_format(out: str) -> None:
-    """Refuse a --plot suffix matplotlib cannot write (no suffix means PNG)."""
-    from matplotlib.backend_bases import FigureCanvasBase
-
-    suffix = Path(out).suffix[1:].lower()
-    formats = FigureCanvasBase.get_supported_filetypes()
-    if suffix and suffix not in formats:
-        raise CloverError(f"--plot {out}: cannot write a .{suffix} image; end the name in one of "
-                          f"{', '.join('.' + f for f in sorted(formats))}")
 
 
 def write_json(result: dict, out: str) -> None:

@@ -115,9 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args) -> int:
     curves = [read_curve(w) for w in args.work_dirs]
     if args.plot:
-        from infer.report import check_plot_format
-
-        check_plot_format(args.plot)
+        cli.check_plot_format(args.plot)
         plot(curves, args.plot)
     text = table(curves) + "\n"
     if args.out:
