@@ -51,6 +51,12 @@ def names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+def color(name: str) -> str | None:
+    """A method's colour in the plots: its registry entry's (None, matplotlib's cycle, for what is not a
+    registered method, such as plain and hf)."""
+    return _REGISTRY[name].color if name in _REGISTRY else None
+
+
 # The draft heads of SPEC section 2 (HEADS).
 register(Method("medusa", MedusaHeads, depth=4, tree="medusa_mc_sim_7b_63", loss="cross_entropy",
                 color="tab:blue"))

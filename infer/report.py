@@ -169,11 +169,6 @@ def _label_bars(ax, names: list[str], offset: float = 0.0) -> None:
     ax.axhline(1.0, color="grey", lw=0.8)
 
 
-def method_color(method: str) -> str | None:
-    """A method's colour in the plots: its registry entry's (None, matplotlib's cycle, for plain and hf)."""
-    return methods.get(method).color if method in methods.names() else None
-
-
 def acceptance_curves(rows: list[Row]) -> list[tuple[str, Row]]:
     """(legend name, row) per acceptance curve to draw: rows that differ only in their draft vocabulary
     and accept alike (as they mostly do) share one curve, named without the vocabulary."""
@@ -215,11 +210,11 @@ def plot(rows: list[Row], out: str, shape: dict | None = None) -> None:
         ax.set_title(title)
         ax.legend()
     if shaped:
-        ax, methods = axes[2], shape["methods"]
-        heights = [methods[m]["projected_speedup"] for m in shaped]
+        ax, projected = axes[2], shape["methods"]
+        heights = [projected[m]["projected_speedup"] for m in shaped]
         ax.bar(np.arange(len(shaped)), heights, 0.6, color="tab:green")
         for i, m in enumerate(shaped):
-            ax.annotate(f"{methods[m]['step_ms']:.1f}", (i, heights[i]), ha="center", va="bottom", fontsize=7)
+            ax.annotate(f"{projected[m]['step_ms']:.1f}", (i, heights[i]), ha="center", va="bottom", fontsize=7)
         _label_bars(ax, shaped)
         ax.set_title(f"--shape {shape['shape']}: projected speedup\n(tau x plain step / step; step ms on bars)", fontsize=10)
     if tasks:  # Spec-Bench's figure: speedup per task, a bar per row
@@ -228,7 +223,7 @@ def plot(rows: list[Row], out: str, shape: dict | None = None) -> None:
         for k, r in enumerate(by_task):
             speedups = [(r.per_task.get(t) or {}).get("speedup") or 0 for t in tasks]
             ax.bar(np.arange(len(tasks)) + k * width, speedups, width, label=r.name,
-                   color=method_color(r.method) if one_each else None)
+                   color=methods.color(r.method) if one_each else None)
         _label_bars(ax, tasks, width * (len(by_task) - 1) / 2)
         ax.set_title(f"speedup over plain per task (batch {sizes[0]})")
         ax.legend(fontsize=7)
@@ -237,7 +232,7 @@ def plot(rows: list[Row], out: str, shape: dict | None = None) -> None:
     for name, r in curves:  # a colour per method, a marker per tree (hollow: not the default draft
         shapes = trees.setdefault(r.method, [])  # vocabulary, where it accepts otherwise), sampled rows dashed
         shapes += [r.tree] if r.tree not in shapes else []
-        axes[-1].plot(range(1, len(r.accept_per_depth) + 1), r.accept_per_depth, color=method_color(r.method),
+        axes[-1].plot(range(1, len(r.accept_per_depth) + 1), r.accept_per_depth, color=methods.color(r.method),
                       marker="osD^vP*X"[shapes.index(r.tree) % 8], ls="--" if r.temperature else "-", label=name,
                       mfc="none" if name.endswith(f"dv={r.draft_vocab}") else None)
     axes[-1].set_title(f"steps accepting >= d drafted tokens (batch {sizes[0]})")

@@ -5,7 +5,8 @@ python -m train.curves runs/smollm2-r5-medusa runs/smollm2-r5-clover runs/smollm
 Each work directory train.train wrote holds run.json (the method) and metrics.jsonl (a training record
 every 10 steps, a held-out one every --eval-every). The table gives, per run, the held-out chain tau at
 every evaluation, the held-out loss from first to last, the top-1 accuracy per head and the chain tau
-of a chain through the first 1, 2, ... heads at the last, and the minutes the steps took; the plot draws chain tau and loss against the step, a colour per method.
+of a chain through the first 1, 2, ... heads at the last, and the minutes the steps took; the plot
+draws chain tau and loss against the step, a colour per method.
 """
 
 from __future__ import annotations
@@ -87,9 +88,8 @@ def plot(curves: list[Curve], out: str) -> None:
     for c in curves:
         style = ("-", "--", ":", "-.")[seen.get(c.method, 0) % 4]
         seen[c.method] = seen.get(c.method, 0) + 1
-        color = methods.get(c.method).color if c.method in methods.names() else None
         for ax, ys in zip(axes, (c.chain_tau, c.loss)):
-            ax.plot(c.steps, ys, ls=style, marker="o", ms=3, color=color, label=c.name)
+            ax.plot(c.steps, ys, ls=style, marker="o", ms=3, color=methods.color(c.method), label=c.name)
     axes[0].set_title("held-out chain tau (tokens per step, chain through every head)")
     axes[1].set_title("held-out loss (each method its own)")
     axes[1].set_yscale("log")
