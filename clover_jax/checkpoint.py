@@ -95,6 +95,21 @@ def read_heads_config(heads_dir: str | Path) -> dict:
     return meta
 
 
+def held_out_chain_tau(heads_dir: str | Path | None) -> list[float] | None:
+    """The held-out tokens a step that chains through the first 1, 2, ... heads reached when the heads
+    were trained (`val_chain_tau_by_depth` in heads.json, which `--tree auto` on a CPU picks its chain
+    depth by); None for heads exported without it, or no directory (random heads)."""
+    if heads_dir is None:
+        return None
+    taus = read_heads_config(heads_dir).get("held_out", {}).get("val_chain_tau_by_depth")
+    if taus is None:
+        return None
+    if not (isinstance(taus, list) and taus and all(isinstance(t, (int, float)) and t >= 1 for t in taus)):
+        raise CloverError(f"{Path(heads_dir) / CONFIG}: held_out.val_chain_tau_by_depth should be a list of "
+                          "numbers >= 1, one per head; delete the entry or re-export the heads")
+    return [float(t) for t in taus]
+
+
 def load_token_stats(heads_dir: str | Path, vocab_size: int) -> dict[str, np.ndarray]:
     """The [V] arrays saved beside the heads: "counts" (greedy token counts) and, for heads exported
     since, "mass" (the base model's probability mass); empty when the heads carry none."""

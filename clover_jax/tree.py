@@ -299,11 +299,11 @@ class DynamicTree:
         return cls(kind, n, depth, beam)
 
 
-def resolve_tree(spec, method: str, num_heads: int) -> Tree:
+def resolve_tree(spec, method: str, num_heads: int, chain_tau=None) -> Tree:
     """The tree a user asked for, checked against the heads it will be drafted with.
 
-    spec: None or "default" (the method's paper tree), "auto" (the paper tree on an accelerator, a chain
-    through every head on a CPU: see `auto_tree`), a name from NAMED_TREES or "mc_sim_7b_63"
+    spec: None or "default" (the method's paper tree), "auto" (the paper tree on an accelerator, on a CPU
+    the chain `chain_tau` says is fastest: see `auto_tree`), a name from NAMED_TREES or "mc_sim_7b_63"
     (both named trees are cut to num_heads), "chain:D", "full:WxD", "widths:W1,W2,...", a JSON list
     of paths as a string, a JSON file path, a list of paths, a Tree, or a dynamic tree
     "dynamic:N[,W]" / "eagle2:N[,W]" (a DynamicTree of depth num_heads).
@@ -327,7 +327,7 @@ def resolve_tree(spec, method: str, num_heads: int) -> Tree:
     if s in ("default", "mc_sim_7b_63"):
         return _named(paper, heads)
     if s == "auto":
-        return resolve_tree(auto_tree(heads), method, heads)
+        return resolve_tree(auto_tree(heads, chain_tau=chain_tau), method, heads)
     if s in NAMED_TREES:
         return _named(s, heads)
     if kind in ("chain", "full", "widths") and arg:
@@ -356,12 +356,29 @@ def resolve_tree(spec, method: str, num_heads: int) -> Tree:
                       "full:WxD, widths:W1,W2,..., dynamic:N, eagle2:N, a JSON list of paths or a .json file")
 
 
-def auto_tree(num_heads: int, backend: str | None = None) -> str:
+# What a chain:D step costs on a CPU, in plain steps: CPU_CHAIN_COST[0] + CPU_CHAIN_COST[1] * D. Fitted
+# to SmolLM2-135M's step times on the 2-core CPU (docs/benchmarks.md: chain:1 1.25-1.35, chain:2
+# 1.41-1.52, chain:5 1.85, chain:7 2.05 plain steps): verifying a second row costs a quarter of a plain
+# step there, each further draft and row about a seventh.
+CPU_CHAIN_COST = (1.15, 0.14)
+
+
+def auto_tree(num_heads: int, backend: str | None = None, chain_tau=None) -> str:
     """The tree spec `auto` stands for on `backend` (default: JAX's). On an accelerator verifying a
-    26-64-node tree costs about one plain step (memory-bound), so the paper trees pay; on a CPU every
+    26-64-node tree costs about one plain step (memory-bound), so the paper trees pay. On a CPU every
     verified token costs compute (XLA:CPU runs a matmul of 2-16 rows at 2-4x a one-row one), so only a
-    chain through every head pays there (docs/benchmarks.md)."""
-    return f"chain:{num_heads}" if (backend or jax.default_backend()) == "cpu" else "default"
+    chain pays there, and only as deep as its drafts are accepted: with `chain_tau` (the held-out tokens
+    a step of chains through the first 1, 2, ... heads reach, which train.train records as
+    `val_chain_tau_by_depth`), the depth with the most tokens per unit of CPU_CHAIN_COST; without it, a
+    chain through every head."""
+    if (backend or jax.default_backend()) != "cpu":
+        return "default"
+    taus = list(chain_tau or [])[:num_heads]
+    if not taus:
+        return f"chain:{num_heads}"
+    base, per_depth = CPU_CHAIN_COST
+    best = max(range(len(taus)), key=lambda k: taus[k] / (base + per_depth * (k + 1)))
+    return f"chain:{best + 1}"
 
 
 def _named(name: str, heads: int) -> Tree:

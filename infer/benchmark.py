@@ -28,7 +28,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from clover_jax import methods, sources
-from clover_jax.checkpoint import read_heads_config
+from clover_jax.checkpoint import held_out_chain_tau, read_heads_config
 from clover_jax.config import ModelConfig
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import Generator, GenerationOutput, bucket_for
@@ -76,8 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory holding one heads directory per method (default: MODEL/heads)")
     p.add_argument("--tree", action="append", default=[], metavar="[METHOD=]SPEC",
                    help="draft tree for every speculative method, or METHOD=SPEC for one; repeat it to measure "
-                        "several trees in the same run. SPEC: auto (a chain through every head on a CPU, the "
-                        "method's paper tree elsewhere, as infer.generate picks), default (the method's paper "
+                        "several trees in the same run. SPEC: auto (on a CPU a chain as deep as the heads' "
+                        "held-out chain tau says is fastest, the method's paper tree elsewhere, as "
+                        "infer.generate picks), default (the method's paper "
                         "tree), chain:K, widths:4,2,2, full:WxD, a named tree, a JSON file of paths, or a dynamic "
                         "tree dynamic:N / eagle2:N (default: auto; each row names the tree it used)")
     p.add_argument("--draft-vocab", default="auto", metavar="LIST",
@@ -163,11 +164,11 @@ def _configs(specs: list[str], methods: list[str]) -> list[tuple[str, str | None
 
 def tree_used(spec: str | None, method: str, heads_dir: Path) -> str | None:
     """The tree spec `auto` stands for with the heads in `heads_dir` on this backend (`tree.auto_tree`, as
-    infer.generate resolves it: `chain:K` on a CPU, the paper tree, None, elsewhere), so that each row
-    names the tree it ran; any other spec as it is."""
+    infer.generate resolves it: `chain:D` on a CPU, D picked by the heads' held-out chain tau, the paper
+    tree, None, elsewhere), so that each row names the tree it ran; any other spec as it is."""
     if method == "plain" or spec != "auto":
         return spec
-    resolved = auto_tree(read_heads_config(heads_dir)["heads"]["num_heads"])
+    resolved = auto_tree(read_heads_config(heads_dir)["heads"]["num_heads"], chain_tau=held_out_chain_tau(heads_dir))
     return None if resolved == "default" else resolved
 
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from clover_jax import methods
-from clover_jax.checkpoint import load_draft_vocab, load_heads
+from clover_jax.checkpoint import held_out_chain_tau, load_draft_vocab, load_heads
 from clover_jax.config import ModelConfig
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import Generator
@@ -87,8 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "chain:D, full:WxD, widths:W1,W2,..., a JSON list of paths such as [[0],[1],[0,0]], or a "
                         "JSON file of one - or a dynamic one chosen per step from the heads' probabilities under "
                         "a budget of N nodes: dynamic:N (Clover's sampler) or eagle2:N (EAGLE-2's rerank), ',W' "
-                        "after N sets the beam width. auto: the paper tree on a GPU or TPU, a chain through "
-                        "every head on a CPU, where each verified token costs compute (default: %(default)s)")
+                        "after N sets the beam width. auto: the paper tree on a GPU or TPU; on a CPU, where each "
+                        "verified token costs compute, a chain as deep as the heads' held-out chain tau (in "
+                        "heads.json) says is fastest, through every head for heads without it (default: "
+                        "%(default)s)")
     p.add_argument("--draft-vocab", default="auto", metavar="N",
                    help="tokens the heads draft from: the N most frequent in the heads' training data (counted "
                         "at export; when sampling, the N most probable under the base model there), which cuts "
@@ -177,7 +179,8 @@ def make_generator(model: Llama, method: str, *, model_path, heads: str | None =
                               "for untrained heads")
         heads_dir = heads or shipped
         draft = load_heads(heads_dir, model, method)
-    return SpeculativeGenerator(model, draft, resolve_tree(tree, method, draft.num_heads), max_len=max_len,
+    tree = resolve_tree(tree, method, draft.num_heads, held_out_chain_tau(heads_dir))
+    return SpeculativeGenerator(model, draft, tree, max_len=max_len,
                                 mesh=mesh, draft_vocab=load_draft_vocab(heads_dir, model, draft_vocab, greedy))
 
 

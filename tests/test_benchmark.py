@@ -4,6 +4,7 @@ every mode (engine, transformers peer, --shape), its JSON has the documented fie
 import argparse
 import json
 import math
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -72,11 +73,17 @@ def test_benchmark_runs_and_reports(tmp_path, capsys):
 
 def test_default_tree_is_auto_and_each_row_names_the_tree_it_used(tmp_path, capsys):
     """No --tree: each method's `auto` tree, resolved as infer.generate resolves it (on this CPU a chain
-    through every head), and the row, the table and the JSON name it; `default` is the paper tree."""
+    through every head for heads that record no held-out tau per depth, as the reference model's), and the row, the table and the JSON name it; `default` is the paper tree."""
     assert benchmark._configs([], ["plain", "clover2"]) == [("plain", None), ("clover2", "auto")]
     heads = cli.model_dir(None) / "heads" / "medusa"
     assert benchmark.tree_used("auto", "medusa", heads) == "chain:4"
     assert benchmark.tree_used("default", "medusa", heads) == "default"
+    recorded = tmp_path / "medusa"  # heads recording their held-out tau per depth: auto reads it
+    shutil.copytree(heads, recorded)
+    meta = json.loads((recorded / "heads.json").read_text())
+    meta["held_out"]["val_chain_tau_by_depth"] = [1.3, 1.37, 1.38, 1.39]
+    (recorded / "heads.json").write_text(json.dumps(meta))
+    assert benchmark.tree_used("auto", "medusa", recorded) == "chain:1"
     out = tmp_path / "bench.json"
     assert benchmark.main(["--methods", "plain,clover2", "--num-prompts", "1", "--batch-sizes", "1",
                            "--max-new-tokens", "3", "--repeats", "1", "--json", str(out)]) == 0

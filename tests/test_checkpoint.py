@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from clover_jax.checkpoint import WEIGHTS, base_fingerprint, load_heads, save_heads
+from clover_jax.checkpoint import CONFIG, WEIGHTS, base_fingerprint, held_out_chain_tau, load_heads, save_heads
 from clover_jax.config import ModelConfig
 from clover_jax.convert import save_pretrained
 from clover_jax.errors import CloverError
@@ -135,3 +135,18 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
     assert path.read_text() == "new\n" and sorted(p.name for p in tmp_path.iterdir()) == ["meta.json"]
     write_text(tmp_path / "made" / "deeper" / "x.json", "{}\n")  # a missing folder is made
     assert (tmp_path / "made" / "deeper" / "x.json").read_text() == "{}\n"
+
+
+def test_held_out_chain_tau_is_read_from_heads_json_or_refused_in_one_line(tmp_path):
+    """`--tree auto` on a CPU picks its chain depth by the tau train.train recorded per depth; heads
+    without the record (older exports, random heads) give None, a damaged one a line saying what to do."""
+    meta = {"heads": {"method": "clover2", "num_heads": 3}, "held_out": {"val_chain_tau": 1.5}}
+    (tmp_path / CONFIG).write_text(json.dumps(meta))
+    assert held_out_chain_tau(tmp_path) is None and held_out_chain_tau(None) is None
+    meta["held_out"]["val_chain_tau_by_depth"] = [1.3, 1.45, 1.5]
+    (tmp_path / CONFIG).write_text(json.dumps(meta))
+    assert held_out_chain_tau(tmp_path) == [1.3, 1.45, 1.5]
+    meta["held_out"]["val_chain_tau_by_depth"] = [1.3, "high"]
+    (tmp_path / CONFIG).write_text(json.dumps(meta))
+    with pytest.raises(CloverError, match="val_chain_tau_by_depth should be a list of numbers >= 1"):
+        held_out_chain_tau(tmp_path)

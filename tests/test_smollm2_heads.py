@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 
 from clover_jax import cli, methods, sources
-from clover_jax.checkpoint import base_fingerprint, load_draft_vocab, load_token_counts, read_heads_config
+from clover_jax.checkpoint import (base_fingerprint, held_out_chain_tau, load_draft_vocab, load_token_counts,
+                                   read_heads_config)
 from clover_jax.convert import load_pretrained
 from clover_jax.draft_vocab import AUTO_MASS_COVERAGE
 from clover_jax.decode import Generator
+from clover_jax.tree import auto_tree
 from infer import generate
 
 SHIPPED = sources.shipped_dir("smollm2") / "heads"
@@ -37,12 +39,13 @@ def plain_answers(smollm2):
 @pytest.mark.parametrize("method", methods.BUILT_IN)
 def test_shipped_heads_decode_exactly_as_plain_decoding(method, smollm2, plain_answers):
     """`--model smollm2 --method M` finds its shipped heads; greedy, they write plain decoding's tokens:
-    batch 4 on the method's paper tree, batch 1 on the CPU's default chain, from the draft vocabulary."""
+    batch 4 on the method's paper tree, batch 1 on a chain through every head, from the draft vocabulary."""
     model, _ = smollm2
     ids, plain = plain_answers
     tree = generate.make_generator(model, method, model_path="smollm2", tree="default", max_len=256)
     assert tree.generate(ids, 24, eos_ids=()).tokens == plain
-    chain = generate.make_generator(model, method, model_path="smollm2", max_len=256)
+    depth = methods.get(method).depth
+    chain = generate.make_generator(model, method, model_path="smollm2", tree=f"chain:{depth}", max_len=256)
     out = chain.generate(ids[:1], 24, eos_ids=())
     assert out.tokens == plain[:1]
     assert out.steps < 24  # the heads draft something a real answer accepts
@@ -79,3 +82,12 @@ def test_heads_of_the_other_model_are_one_error_line(model, heads, smollm2, caps
     out, err = capsys.readouterr()
     assert (code, out) == (2, "")
     assert err.startswith("error: ") and err.count("\n") == 1 and "trained for another base model" in err, err
+
+
+def test_auto_on_a_cpu_drafts_as_deep_as_the_heads_held_out_tau_pays():
+    """Round 5's Clover-2 recorded its held-out tau per chain depth (1.38 at one head, 1.55 at five): on
+    a CPU each further draft adds less than it costs, so `auto` drafts one token a step (MT-Bench: chain:1
+    1.01x plain decoding, the full chain 0.74x; docs/benchmarks.md)."""
+    taus = held_out_chain_tau(SHIPPED / "clover2")
+    assert taus is not None and len(taus) == 5 and taus == sorted(taus)
+    assert auto_tree(5, "cpu", taus) == "chain:1"

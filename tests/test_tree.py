@@ -233,6 +233,19 @@ def test_resolve_tree_specs(tmp_path):
     assert auto_tree(5, "cpu") == "chain:5" and auto_tree(4, "gpu") == auto_tree(4, "tpu") == "default"
 
 
+def test_auto_on_a_cpu_picks_the_chain_depth_the_held_out_tau_says_is_fastest():
+    """With the heads' held-out chain tau by depth, a CPU's `auto` is the chain with the most tokens per
+    unit of its step cost (CPU_CHAIN_COST, in plain steps); an accelerator's stays the paper tree."""
+    weak = [1.38, 1.49, 1.52, 1.54, 1.55]  # SmolLM2's round-5 Clover-2: each draft past the first adds little
+    assert auto_tree(5, "cpu", weak) == "chain:1"
+    strong = [1.9, 2.7, 3.3, 3.5]  # heads right most of the time: depth 3 (2.10 tokens per plain step) beats 4 (2.05)
+    assert auto_tree(4, "cpu", strong) == "chain:3"
+    assert auto_tree(2, "cpu", strong) == "chain:2"  # entries past the heads are not used
+    assert auto_tree(5, "gpu", weak) == "default"
+    assert resolve_tree("auto", "clover2", 5, weak) == chain(1)
+    assert resolve_tree("default", "clover2", 5, weak) == DEFAULT_TREES["clover2"]  # only auto reads it
+
+
 def test_resolve_dynamic_trees():
     """dynamic:N / eagle2:N: N slots (root included, like a static tree's node count), depth = the
     heads, beam 8 unless the budget needs more candidates (or fewer suffice)."""
