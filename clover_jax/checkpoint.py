@@ -96,16 +96,20 @@ def read_heads_config(heads_dir: str | Path) -> dict:
 
 
 def held_out_chain_tau(heads_dir: str | Path | None) -> list[float] | None:
-    """The held-out tokens a step that chains through the first 1, 2, ... heads reached when the heads
-    were trained (`val_chain_tau_by_depth` in heads.json, which `--tree auto` on a CPU picks its chain
-    depth by); None for heads exported without it, or no directory (random heads)."""
+    """The held-out tokens a step that chains through the first 1, 2, ... heads reached
+    (`val_chain_tau_by_depth` in heads.json, which `--tree auto` on a CPU picks its chain depth by):
+    train.train's own figure, else one train.evaluate recorded for heads exported before train.train
+    kept it; None for heads with neither, or no directory (random heads)."""
     if heads_dir is None:
         return None
-    taus = read_heads_config(heads_dir).get("held_out", {}).get("val_chain_tau_by_depth")
-    if taus is None:
+    meta = read_heads_config(heads_dir)
+    found = [m["val_chain_tau_by_depth"] for m in (meta.get("held_out"), meta.get("evaluated"))
+             if isinstance(m, dict) and "val_chain_tau_by_depth" in m]
+    if not found:
         return None
+    taus = found[0]
     if not (isinstance(taus, list) and taus and all(isinstance(t, (int, float)) and t >= 1 for t in taus)):
-        raise CloverError(f"{Path(heads_dir) / CONFIG}: held_out.val_chain_tau_by_depth should be a list of "
+        raise CloverError(f"{Path(heads_dir) / CONFIG}: val_chain_tau_by_depth should be a list of "
                           "numbers >= 1, one per head; delete the entry or re-export the heads")
     return [float(t) for t in taus]
 

@@ -12,6 +12,7 @@ import io
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
-from clover_jax.checkpoint import load_heads
+from clover_jax.checkpoint import held_out_chain_tau, load_heads
 from clover_jax.convert import load_pretrained
 from clover_jax.draft_vocab import DraftVocab, token_counts
 from clover_jax.errors import CloverError
@@ -33,7 +34,7 @@ from clover_jax.methods import BUILT_IN as METHODS, HEADS
 from clover_jax.model import causal_self_mask
 from conftest import save_tiny_llama, tiny_tokenizer
 from infer import generate
-from train import losses, runs
+from train import evaluate, losses, runs
 from train import make_data
 from train import tokenizer as tokenizer_lib
 from train import train
@@ -522,6 +523,54 @@ def test_exported_heads_drive_generation(trained, model_dir, capsys):
         stdout, err = capsys.readouterr()
         assert (code, stdout) == (0, plain), err
         assert err.startswith(f"[{method}]"), err
+
+
+def test_evaluate_measures_exported_heads_as_training_did(trained, model_dir, datasets, tmp_path, capsys):
+    """train.evaluate on the heads' own data and settings (read from heads.json) gives the held-out
+    figures train.train exported with them (float32 heads)."""
+    out, _, _, _ = trained["medusa"]
+    report = tmp_path / "medusa.json"
+    capsys.readouterr()
+    assert evaluate.main(["--heads", str(out), "--base", str(model_dir), "--data", str(datasets["plain"]),
+                          "--json", str(report)]) == 0
+    assert "chain tau through 1, 2, ... heads" in capsys.readouterr().out
+    got, want = json.loads(report.read_text()), json.loads((out / "heads.json").read_text())["held_out"]
+    assert (got["split"], got["seq_len"], got["batch_size"], got["val_fraction"]) == ("held-out", 32, 2, 0.2)
+    np.testing.assert_allclose(got["val_loss"], want["val_loss"], rtol=1e-5)
+    np.testing.assert_allclose(got["val_top1"], want["val_top1"], rtol=1e-5)
+    assert got["val_chain_tau_by_depth"] == want["val_chain_tau_by_depth"]
+    assert "evaluated" not in json.loads((out / "heads.json").read_text())  # no --record: heads.json untouched
+
+
+def test_evaluate_records_the_chain_tau_by_depth_that_auto_picks_its_chain_by(trained, model_dir, datasets,
+                                                                               tmp_path, capsys):
+    """Heads exported with no held-out figures (here EAGLE-3 trained with none held out; the shipped
+    heads from before train.train recorded the tau per depth) gain them with --record, beside what
+    train.train wrote, and `held_out_chain_tau` reads them; EAGLE-3 drafts from its own vocabulary."""
+    heads = tmp_path / "eagle3"
+    shutil.copytree(trained["eagle3"][0], heads)
+    before = json.loads((heads / "heads.json").read_text())
+    assert held_out_chain_tau(heads) is None
+    capsys.readouterr()
+    assert evaluate.main(["--heads", str(heads), "--base", str(model_dir), "--data", str(datasets["plain"]),
+                          "--split", "all", "--record"]) == 0
+    after = json.loads((heads / "heads.json").read_text())
+    assert {k: v for k, v in after.items() if k != "evaluated"} == before
+    taus = after["evaluated"]["val_chain_tau_by_depth"]
+    assert len(taus) == NUM_HEADS and taus == sorted(taus) and held_out_chain_tau(heads) == taus
+    assert after["evaluated"]["split"] == "all" and after["evaluated"]["data"] == str(datasets["plain"].resolve())
+
+
+@pytest.mark.parametrize("case", ["no heads", "another base", "zero batches"])
+def test_evaluate_bad_input_is_one_error_line(case, trained, model_dir, other_base, datasets, tmp_path, capsys):
+    out = trained["medusa"][0]
+    argv = {"no heads": ["--heads", tmp_path, "--base", model_dir, "--data", datasets["plain"]],
+            "another base": ["--heads", out, "--base", other_base, "--data", datasets["plain"]],
+            "zero batches": ["--heads", out, "--base", model_dir, "--data", datasets["plain"], "--eval-batches", 0]}
+    capsys.readouterr()
+    assert evaluate.main([str(a) for a in argv[case]]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
 
 
 def test_sharded_training_matches_and_resumes_on_another_mesh(model_dir, datasets, tmp_path):

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from clover_jax.decode import to_host
+
 HEAD_DECAY = 0.7
 HIDDEN_WEIGHT = 10.0
 EAGLE_CE_WEIGHT = 0.1  # EAGLE-1: SmoothL1 on the feature + 0.1 x cross-entropy
@@ -189,3 +191,27 @@ def chain_steps(hits: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
 def tau_of(hist: np.ndarray) -> float:
     """Mean tokens per step, the bonus token included, of a [K+1] histogram of accepted drafts."""
     return float(1 + hist @ np.arange(len(hist)) / max(hist.sum(), 1))
+
+
+def held_out_figures(batch_metrics, batches, limit: int) -> dict:
+    """The held-out figures train.train records and train.evaluate measures: over the first `limit` of
+    `batches`, the mean loss, each head's top-1 and top-5 accuracy, and the chain tau of chains through
+    the first 1, 2, ... heads (decoding's steps replayed over the responses). `batch_metrics(batch)`
+    gives `head_loss`'s metrics with hits. Empty when there is no batch."""
+    sums, n, steps = None, 0, {}
+    for i, batch in enumerate(batches):
+        if i >= limit:
+            break
+        m = batch_metrics(batch)
+        hits = to_host(m.pop("hits"))
+        for depth in range(1, len(hits) + 1):  # a chain through the first `depth` heads
+            steps[depth] = steps.get(depth, 0) + chain_steps(hits[:depth], batch["loss_mask"])
+        m = jax.device_get(m)
+        sums = m if sums is None else jax.tree.map(np.add, sums, m)
+        n += 1
+    if not n:
+        return {}
+    m = jax.tree.map(lambda x: np.asarray(x) / n, sums)
+    return {"val_loss": float(m["loss"]), "val_top1": m["top1"].tolist(), "val_top5": m["top5"].tolist(),
+            "val_chain_tau": tau_of(steps[max(steps)]),
+            "val_chain_tau_by_depth": [tau_of(steps[d]) for d in sorted(steps)]}

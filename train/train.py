@@ -302,23 +302,8 @@ def run(args) -> int:
         return {k: place(v) for k, v in batch.items() if v is not None and (k != "features" or stored_features)}
 
     def held_out(step):
-        sums, n, steps = None, 0, {}
-        for i, batch in enumerate(held.eval_batches(args.seq_len, args.batch_size, val_idx)):
-            if i >= args.eval_batches:
-                break
-            m = evaluate(params, base_params, to_device(batch))
-            hits = to_host(m.pop("hits"))
-            for depth in range(1, len(hits) + 1):  # a chain through the first `depth` heads
-                steps[depth] = steps.get(depth, 0) + losses.chain_steps(hits[:depth], batch["loss_mask"])
-            m = jax.device_get(m)
-            sums = m if sums is None else jax.tree.map(np.add, sums, m)
-            n += 1
-        if not n:
-            return {}
-        m = jax.tree.map(lambda x: np.asarray(x) / n, sums)
-        return {"val_loss": float(m["loss"]), "val_top1": m["top1"].tolist(), "val_top5": m["top5"].tolist(),
-                "val_chain_tau": losses.tau_of(steps[max(steps)]),
-                "val_chain_tau_by_depth": [losses.tau_of(steps[d]) for d in sorted(steps)]}
+        return losses.held_out_figures(lambda batch: evaluate(params, base_params, to_device(batch)),
+                                       held.eval_batches(args.seq_len, args.batch_size, val_idx), args.eval_batches)
 
     # One metrics file for the run, not one writer per process.
     record = MetricsLog(work / "metrics.jsonl").record if jax.process_index() == 0 else (lambda *a, **k: None)

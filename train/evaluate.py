@@ -1,0 +1,130 @@
+"""Measure exported draft heads on a dataset, as train.train measures them while training.
+
+    python -m train.evaluate --heads models/smollm2/heads/eagle3 --base smollm2 --data data/smollm2-sharegpt-640f
+
+Prints the held-out figures train.train records (loss, each head's top-1 and top-5 accuracy, the chain
+tau through the first 1, 2, ... heads) for heads as they are stored, on another dataset or split than
+they were trained with. Heads exported before train.train recorded the chain tau per depth can gain
+it with `--record`, which `--tree auto` on a CPU then picks its chain depth by.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from clover_jax import cli
+from clover_jax.checkpoint import CONFIG, load_heads, load_token_counts, read_heads_config
+from clover_jax.convert import load_pretrained
+from clover_jax.draft_vocab import DraftVocab
+from clover_jax.errors import CloverError
+from clover_jax.files import write_text
+from train import losses
+from train.train import head_loss, open_dataset
+
+RECORD = "evaluated"  # the heads.json entry --record writes; train.train's own figures stay under "held_out"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m train.evaluate",
+        description="Measure draft heads written by train.train on a dataset written by train.make_data: the "
+                    "loss, each head's top-1/top-5 accuracy and the chain tau (decoding's steps replayed over the "
+                    "responses) through the first 1, 2, ... heads. The window, batch and loss vocabulary default "
+                    "to the heads' own training settings (heads.json), so the figures compare with its held_out.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--heads", required=True, metavar="DIR", help="heads directory written by train.train")
+    p.add_argument("--base", required=True, metavar="DIR|NAME",
+                   help="the base model the heads were trained for (a checkpoint directory, or smollm2)")
+    p.add_argument("--data", required=True, metavar="DIR", help="dataset directory written by train.make_data")
+    p.add_argument("--split", choices=("held-out", "all"), default="held-out",
+                   help="the dataset's held-out split (train.train's, by --val-fraction) or every example")
+    p.add_argument("--val-fraction", type=float, metavar="F",
+                   help="share of examples held out (default: the heads' training setting, else 0.05)")
+    p.add_argument("--seq-len", type=int, metavar="N", help="tokens per window (default: the heads' training setting)")
+    p.add_argument("--batch-size", type=int, metavar="N", help="windows per batch (default: the heads' training setting)")
+    p.add_argument("--eval-batches", type=int, metavar="N",
+                   help="batches measured (default: the heads' training setting, as train.train's held-out figures)")
+    p.add_argument("--loss-vocab", type=int, metavar="N",
+                   help="score over the N most frequent tokens of the counts beside the heads, 0 for the whole "
+                        "vocabulary (default: the heads' training --loss-vocab); accuracies count a target "
+                        "outside it as a miss, as decoding's draft vocabulary does")
+    p.add_argument("--record", action="store_true",
+                   help=f"also write the figures into the heads' {CONFIG} as '{RECORD}' (with the data and "
+                        "settings), beside train.train's own 'held_out', which is kept")
+    p.add_argument("--json", metavar="FILE", help="also write the figures and settings to this JSON file")
+    cli.add_compile_cache_flag(p)
+    return p
+
+
+def settings(args, trained: dict) -> dict:
+    """The evaluation's settings: each flag given, else the heads' training setting, else train.train's default."""
+    defaults = {"val_fraction": 0.05, "seq_len": 256, "batch_size": 8, "eval_batches": 8, "loss_vocab": 0}
+    out = {k: getattr(args, k) if getattr(args, k) is not None else trained.get(k, d) for k, d in defaults.items()}
+    for name in ("seq_len", "batch_size", "eval_batches"):
+        if out[name] < 1:
+            raise CloverError(f"--{name.replace('_', '-')} must be >= 1")
+    if out["loss_vocab"] < 0:
+        raise CloverError("--loss-vocab must be >= 0 (0: the whole vocabulary)")
+    return out
+
+
+def run(args) -> int:
+    cli.use_compile_cache(args.compile_cache)
+    meta = read_heads_config(args.heads)
+    s = settings(args, meta.get("training") or {})
+    _, base = load_pretrained(cli.model_dir(args.base), dtype=jnp.float32)
+    heads = load_heads(args.heads, base)
+    nnx.update(heads, jax.tree.map(lambda x: x.astype(jnp.float32), nnx.state(heads, nnx.Param)))
+    data = open_dataset(args.data, base)
+    indices = data.split(s["val_fraction"])[1] if args.split == "held-out" else None
+    vocab = None
+    if s["loss_vocab"]:
+        counts = load_token_counts(args.heads, base.cfg.vocab_size)
+        if counts is None:
+            raise CloverError(f"{args.heads}: no token counts to pick --loss-vocab's tokens from; pass --loss-vocab 0")
+        vocab = DraftVocab.most_frequent(base.lm_head_weight(), counts, min(s["loss_vocab"], base.cfg.vocab_size))
+    graphdef, params, fixed = nnx.split(heads, nnx.Param, ...)
+    base_graphdef, base_params = nnx.split(base)
+
+    @jax.jit
+    def evaluate(p, bp, batch):
+        heads_now, base_now = nnx.merge(graphdef, p, fixed), nnx.merge(base_graphdef, bp)
+        return head_loss(heads_now, base_now, batch, with_hits=True, vocab=vocab)[1]
+
+    stored_features = bool(heads.feature_layers) and data.feature_layers == tuple(heads.feature_layers)
+
+    def batch_metrics(batch):
+        return evaluate(params, base_params, {k: jnp.asarray(v) for k, v in batch.items()
+                                              if v is not None and (k != "features" or stored_features)})
+
+    figures = losses.held_out_figures(batch_metrics, data.eval_batches(s["seq_len"], s["batch_size"], indices),
+                                      s["eval_batches"])
+    if not figures:
+        raise CloverError(f"{args.data}: no example in its {args.split} split to measure")
+    report = {"data": str(Path(args.data).resolve()), "split": args.split, **s, **figures}
+    print(f"{meta['heads']['method']} heads in {args.heads} on {args.data} ({args.split}): "
+          f"loss {figures['val_loss']:.4f}, top-1 per head {[round(a, 3) for a in figures['val_top1']]}, "
+          f"chain tau through 1, 2, ... heads {[round(t, 3) for t in figures['val_chain_tau_by_depth']]}")
+    if args.json:
+        write_text(args.json, json.dumps(report, indent=2) + "\n")
+    if args.record:
+        meta[RECORD] = report
+        write_text(Path(args.heads) / CONFIG, json.dumps(meta, indent=2) + "\n")
+        print(f"recorded as '{RECORD}' in {Path(args.heads) / CONFIG}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return cli.run_main(lambda: run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
