@@ -108,7 +108,7 @@ def run(args) -> int:
                                       s["eval_batches"])
     if not figures:
         raise CloverError(f"{args.data}: no example in its {args.split} split to measure")
-    report = {"data": str(Path(args.data).resolve()), "split": args.split, **s, **figures}
+    report = {"data": args.data, "split": args.split, **s, **figures}  # the data as named, like "training"
     print(f"{meta['heads']['method']} heads in {args.heads} on {args.data} ({args.split}): "
           f"loss {figures['val_loss']:.4f}, top-1 per head {[round(a, 3) for a in figures['val_top1']]}, "
           f"chain tau through 1, 2, ... heads {[round(t, 3) for t in figures['val_chain_tau_by_depth']]}")
