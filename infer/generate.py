@@ -179,8 +179,8 @@ def make_generator(model: Llama, method: str, *, model_path, heads: str | None =
                               "for untrained heads")
         heads_dir = heads or shipped
         draft = load_heads(heads_dir, model, method)
-    tree = resolve_tree(tree, method, draft.num_heads, held_out_chain_tau(heads_dir))
-    return SpeculativeGenerator(model, draft, tree, max_len=max_len,
+    draft_tree = resolve_tree(tree, method, draft.num_heads, held_out_chain_tau(heads_dir))
+    return SpeculativeGenerator(model, draft, draft_tree, max_len=max_len,
                                 mesh=mesh, draft_vocab=load_draft_vocab(heads_dir, model, draft_vocab, greedy))
 
 

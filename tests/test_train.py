@@ -561,12 +561,14 @@ def test_evaluate_records_the_chain_tau_by_depth_that_auto_picks_its_chain_by(tr
     assert after["evaluated"]["split"] == "all" and after["evaluated"]["data"] == str(datasets["plain"])
 
 
-@pytest.mark.parametrize("case", ["no heads", "another base", "zero batches"])
+@pytest.mark.parametrize("case", ["no heads", "another base", "zero batches", "json in no folder"])
 def test_evaluate_bad_input_is_one_error_line(case, trained, model_dir, other_base, datasets, tmp_path, capsys):
     out = trained["medusa"][0]
     argv = {"no heads": ["--heads", tmp_path, "--base", model_dir, "--data", datasets["plain"]],
             "another base": ["--heads", out, "--base", other_base, "--data", datasets["plain"]],
-            "zero batches": ["--heads", out, "--base", model_dir, "--data", datasets["plain"], "--eval-batches", 0]}
+            "zero batches": ["--heads", out, "--base", model_dir, "--data", datasets["plain"], "--eval-batches", 0],
+            "json in no folder": ["--heads", out, "--base", model_dir, "--data", datasets["plain"],
+                                  "--json", tmp_path / "missing" / "figures.json"]}
     capsys.readouterr()
     assert evaluate.main([str(a) for a in argv[case]]) == 2
     err = capsys.readouterr().err

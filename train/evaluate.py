@@ -26,6 +26,7 @@ from clover_jax.draft_vocab import DraftVocab
 from clover_jax.errors import CloverError
 from clover_jax.files import write_text
 from train import losses
+from train import train
 from train.train import head_loss, open_dataset
 
 RECORD = "evaluated"  # the heads.json entry --record writes; train.train's own figures stay under "held_out"
@@ -65,8 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def settings(args, trained: dict) -> dict:
     """The evaluation's settings: each flag given, else the heads' training setting, else train.train's default."""
-    defaults = {"val_fraction": 0.05, "seq_len": 256, "batch_size": 8, "eval_batches": 8, "loss_vocab": 0}
-    out = {k: getattr(args, k) if getattr(args, k) is not None else trained.get(k, d) for k, d in defaults.items()}
+    defaults = train.build_parser()
+    out = {k: getattr(args, k) if getattr(args, k) is not None else trained.get(k, defaults.get_default(k))
+           for k in ("val_fraction", "seq_len", "batch_size", "eval_batches", "loss_vocab")}
     for name in ("seq_len", "batch_size", "eval_batches"):
         if out[name] < 1:
             raise CloverError(f"--{name.replace('_', '-')} must be >= 1")
@@ -77,6 +79,8 @@ def settings(args, trained: dict) -> dict:
 
 def run(args) -> int:
     cli.use_compile_cache(args.compile_cache)
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        raise CloverError(f"--json {args.json}: its folder does not exist; create it or write elsewhere")
     meta = read_heads_config(args.heads)
     s = settings(args, meta.get("training") or {})
     _, base = load_pretrained(cli.model_dir(args.base), dtype=jnp.float32)
