@@ -27,7 +27,7 @@ from clover_jax.errors import CloverError
 from clover_jax.files import write_text
 from train import losses
 from train import train
-from train.train import head_loss, open_dataset
+from train.train import head_loss, on_devices, open_dataset, stores_features
 
 RECORD = "evaluated"  # the heads.json entry --record writes; train.train's own figures stay under "held_out"
 
@@ -102,11 +102,10 @@ def run(args) -> int:
         heads_now, base_now = nnx.merge(graphdef, p, fixed), nnx.merge(base_graphdef, bp)
         return head_loss(heads_now, base_now, batch, with_hits=True, vocab=vocab)[1]
 
-    stored_features = bool(heads.feature_layers) and data.feature_layers == tuple(heads.feature_layers)
+    stored_features = stores_features(data, heads)
 
     def batch_metrics(batch):
-        return evaluate(params, base_params, {k: jnp.asarray(v) for k, v in batch.items()
-                                              if v is not None and (k != "features" or stored_features)})
+        return evaluate(params, base_params, on_devices(batch, jnp.asarray, stored_features))
 
     figures = losses.held_out_figures(batch_metrics, data.eval_batches(s["seq_len"], s["batch_size"], indices),
                                       s["eval_batches"])

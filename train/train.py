@@ -89,6 +89,18 @@ def token_mass(base: Llama, data: HeadDataset, indices: np.ndarray, seq_len: int
     return total
 
 
+def stores_features(data: HeadDataset, heads: Drafter) -> bool:
+    """Whether `data` stores the outputs of the very layers `heads` draft from (EAGLE-3's), so that no
+    base forward need compute them."""
+    return bool(heads.feature_layers) and data.feature_layers == tuple(heads.feature_layers)
+
+
+def on_devices(batch: dict, place, features: bool) -> dict:
+    """A host batch's arrays for `head_loss`, put on the devices by `place`; stored features only when
+    `features` (`stores_features`), else `base_states` computes what it needs."""
+    return {k: place(v) for k, v in batch.items() if v is not None and (k != "features" or features)}
+
+
 def head_loss(heads: Drafter, base: Llama, batch: dict, with_hits: bool = False, key: jax.Array | None = None,
               vocab: DraftVocab | None = None, steps: int | None = None):
     """(loss, metrics) of one batch: the method's loss plus per-head losses and top-1/top-5 accuracy;
@@ -247,7 +259,7 @@ def run(args) -> int:
         if not 0 < args.loss_vocab <= base.cfg.vocab_size:
             raise CloverError(f"--loss-vocab {args.loss_vocab} must be in [1, {base.cfg.vocab_size}] (the vocabulary)")
     loss_vocab = DraftVocab.most_frequent(base.lm_head_weight(), counts, args.loss_vocab) if args.loss_vocab else None
-    stored_features = bool(heads.feature_layers) and data.feature_layers == tuple(heads.feature_layers)
+    stored_features = stores_features(data, heads)
     # Float32 master weights; the forward casts them to the activations' dtype.
     nnx.update(heads, jax.tree.map(lambda x: x.astype(jnp.float32), nnx.state(heads, nnx.Param)))
     if mesh is not None:
@@ -299,7 +311,7 @@ def run(args) -> int:
     place = jnp.asarray if mesh is None else (lambda x: put_batch(x, mesh))
 
     def to_device(batch):  # every process computes the whole batch: it is a function of the step
-        return {k: place(v) for k, v in batch.items() if v is not None and (k != "features" or stored_features)}
+        return on_devices(batch, place, stored_features)
 
     def held_out(step):
         return losses.held_out_figures(lambda batch: evaluate(params, base_params, to_device(batch)),
