@@ -197,7 +197,9 @@ def save_tokenizer(reader, path: Path, out: Path) -> None:
                       ("pad_token", "pad_token_id")):
         if spec.get(key) is not None:
             config[name] = spec["tokens"][int(spec[key])]
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, **extra, **config)
+    # transformers releases differ in which special tokens `extra` already names (5.17 gives bos_token
+    # there too); the GGUF's own fields win.
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, **{**extra, **config})
     tokenizer.save_pretrained(str(out))
 
 

@@ -140,6 +140,26 @@ def test_conversion_is_cached_by_hash_and_carries_tokenizer_and_template(hf_chec
     assert sorted(os.listdir(cache / "models")) == [first.name]  # no temporary left behind
 
 
+def test_tokenizer_converter_naming_special_tokens_itself(hf_checkpoint, tmp_path, cache, monkeypatch):
+    """transformers 5.17's GGUF tokenizer converter returns bos_token among its extra arguments (5.24's does
+    not): the conversion must not pass it twice (it failed so on the H100's image), and the GGUF's own
+    special tokens win over the converter's."""
+    from transformers.integrations.gguf import gguf_tokenizer_mapping as mapping
+
+    real = mapping.convert_gguf_tokenizer
+
+    def like_5_17(arch, spec):
+        backend, extra = real(arch, spec)
+        return backend, {**extra, "bos_token": TOKENS[5], "eos_token": TOKENS[6]}
+
+    monkeypatch.setattr(mapping, "convert_gguf_tokenizer", like_5_17)
+    hf, _ = hf_checkpoint("llama2")
+    path = tmp_path / "m.gguf"
+    write_gguf(hf, path, Q.F16)
+    tok = cli.load_tokenizer(gguf_checkpoint(path, cache))
+    assert (tok.bos_token, tok.eos_token) == (TOKENS[1], TOKENS[2])
+
+
 def test_unpermute_inverts_llama_cpp_order():
     w = np.arange(4 * 8 * 3).reshape(32, 3)
     np.testing.assert_array_equal(unpermute_rope_rows(permute_rope_rows(w, 4), 4), w)
