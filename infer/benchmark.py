@@ -31,7 +31,7 @@ from clover_jax import methods, sources
 from clover_jax.checkpoint import held_out_chain_tau, read_heads_config
 from clover_jax.config import ModelConfig
 from clover_jax.convert import load_pretrained
-from clover_jax.decode import Generator, GenerationOutput, bucket_for
+from clover_jax.decode import BUCKETS, Generator, GenerationOutput, bucket_for
 from clover_jax.draft_vocab import parse_size
 from clover_jax.errors import CloverError
 from clover_jax.sampling import SamplingConfig
@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead of --num-prompts: the first N prompts of each Spec-Bench task (records' "
                         "\"category\"; MT-Bench's eight count as one), for every task in a run of modest length")
     p.add_argument("--batch-sizes", default="1,8", metavar="LIST", help="comma-separated batch sizes (default: %(default)s)")
+    p.add_argument("--buckets", metavar="LIST",
+                   help="comma-separated prompt lengths a prompt is padded up to, each a program compiled per "
+                        "method, and a longer prompt to the whole cache (default: 32,64,128,... doubling): one "
+                        "length that holds every prompt, such as 1024, compiles one program per method, which "
+                        "on an accelerator saves most of a short run, as compiling a 30-layer model's step takes "
+                        "tens of seconds there and running it milliseconds")
     p.add_argument("--max-new-tokens", type=int, default=96, metavar="N",
                    help="tokens generated per prompt, exactly, or at most with --stop-at-eos (default: %(default)s)")
     p.add_argument("--stop-at-eos", action=argparse.BooleanOptionalAction,
@@ -228,14 +234,14 @@ def run_engines(generators: dict[str, Generator], prompts: list[list[int]], batc
 
 def with_later_turns(model, tokenizer, prompts: list[list[int]], records: list[tuple[dict, str]],
                      systems: list[str | None], max_new: int, eos: tuple[int, ...], batch_size: int,
-                     mesh=None) -> tuple[list[list[int]], list[int]]:
+                     mesh=None, buckets=BUCKETS) -> tuple[list[list[int]], list[int]]:
     """The first turns' prompts, then each record's later turns' (Spec-Bench's second MT-Bench question,
     ShareGPT's later human turns), with the index of each prompt's record: a later turn is asked after
     the conversation so far, as Spec-Bench asks it, its earlier answers plain greedy decoding's, up to
     EOS or `max_new` tokens (`answer_turns`). The answers come from a generator of their own, so the
     measured ones compile and count only theirs; a conversation whose next prompt would not leave
     `max_new` tokens of room ends there."""
-    gen = Generator(model, mesh=mesh)
+    gen = Generator(model, mesh=mesh, buckets=buckets)
     users = [record_turns(record, where)[0] for record, where in records]
 
     def answer(batch: list[list[int]], turn: int) -> list[list[int]]:
@@ -329,6 +335,7 @@ def _benchmark(args: argparse.Namespace) -> int:
         raise CloverError(f"--methods: unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
     methods = ["plain"] + [m for m in dict.fromkeys(methods) if m != "plain"]
     sizes = _numbers(args.batch_sizes, "--batch-sizes", int, "integers", "1,8", 1)
+    buckets = sorted(set(_numbers(args.buckets, "--buckets", int, "integers", "1024", 1))) if args.buckets else BUCKETS
     for flag, value in (("--num-prompts", args.num_prompts), ("--per-task", 1 if args.per_task is None else args.per_task),
                         ("--max-new-tokens", args.max_new_tokens),
                         ("--repeats", args.repeats)):
@@ -364,7 +371,7 @@ def _benchmark(args: argparse.Namespace) -> int:
     if args.chat and args.turns != "first":
         systems = [cli.prompt_system(own, True, args.system) for _, own in texts]
         prompts, owners = with_later_turns(model, tokenizer, prompts, records, systems, args.max_new_tokens, eos,
-                                           max(sizes), mesh)
+                                           max(sizes), mesh, buckets)
         tasks = [tasks[i] for i in owners]
     bandwidth = BandwidthProbe().median()
     per_size = {b: -(-len(prompts) // b) * (args.repeats + 1) for b in sizes}  # batches per method and size
@@ -384,7 +391,7 @@ def _benchmark(args: argparse.Namespace) -> int:
                     heads = None if method == "plain" else str(heads_root / method)
                     generators[label(method, spec, draft_vocab=dv)] = make_generator(
                         model, method, model_path=path, heads=heads, tree=spec, seed=args.seed, mesh=mesh,
-                        draft_vocab=dv, greedy=sampling.greedy)
+                        draft_vocab=dv, greedy=sampling.greedy, buckets=buckets)
                 measured = run_engines(generators, prompts, b, args.max_new_tokens, args.repeats, progress,
                                        sampling, args.seed, tasks, answer_eos)
                 if args.profile and b == sizes[0] and temp == temps[0]:
@@ -442,7 +449,8 @@ def _benchmark(args: argparse.Namespace) -> int:
                                chat_template=args.chat_template, system=args.system,
                                turns="all" if args.chat and args.turns != "first" else "first",
                                max_new_tokens=args.max_new_tokens, stop_at_eos=stop_at_eos, repeats=args.repeats,
-                               dtype=args.dtype, mesh=args.mesh, command=args.command)}
+                               dtype=args.dtype, mesh=args.mesh, buckets=args.buckets and buckets,
+                               command=args.command)}
     if args.json:
         report.write_json(result, args.json)
     if args.plot:

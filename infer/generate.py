@@ -19,7 +19,7 @@ from clover_jax import methods
 from clover_jax.checkpoint import held_out_chain_tau, load_draft_vocab, load_heads
 from clover_jax.config import ModelConfig
 from clover_jax.convert import load_pretrained
-from clover_jax.decode import Generator
+from clover_jax.decode import BUCKETS, Generator
 from clover_jax.errors import CloverError
 from clover_jax.heads import HeadsConfig, make_heads
 from clover_jax.model import Llama
@@ -161,14 +161,16 @@ class StreamPrinter:
 
 def make_generator(model: Llama, method: str, *, model_path, heads: str | None = None, tree: str | None = None,
                    num_heads: int | None = None, max_len: int | None = None, seed: int = 0,
-                   mesh=None, draft_vocab: str | int | None = "auto", greedy: bool = True) -> Generator:
+                   mesh=None, draft_vocab: str | int | None = "auto", greedy: bool = True,
+                   buckets=BUCKETS) -> Generator:
     """The generator for `method`: plain, or a speculative one with its heads (a directory, "random",
     or None for the ones shipped beside the model), its tree (a spec; None for the method's default)
-    and its draft vocabulary (a `--draft-vocab` value; `greedy` says which `auto` means)."""
+    and its draft vocabulary (a `--draft-vocab` value; `greedy` says which `auto` means); `buckets` are
+    the prompt lengths it pads to (`Generator`)."""
     if max_len is not None and max_len < 2:
         raise CloverError(f"--max-len {max_len} must be >= 2 (a prompt token plus a new one)")
     if method == "plain":
-        return Generator(model, max_len=max_len, mesh=mesh)
+        return Generator(model, max_len=max_len, mesh=mesh, buckets=buckets)
     if heads == "random":
         draft = make_heads(HeadsConfig(method, num_heads or methods.get(method).depth), model, seed=seed)
         heads_dir = None  # no token counts: auto drafts from the whole vocabulary
@@ -180,7 +182,7 @@ def make_generator(model: Llama, method: str, *, model_path, heads: str | None =
         heads_dir = heads or shipped
         draft = load_heads(heads_dir, model, method)
     draft_tree = resolve_tree(tree, method, draft.num_heads, held_out_chain_tau(heads_dir))
-    return SpeculativeGenerator(model, draft, draft_tree, max_len=max_len,
+    return SpeculativeGenerator(model, draft, draft_tree, max_len=max_len, buckets=buckets,
                                 mesh=mesh, draft_vocab=load_draft_vocab(heads_dir, model, draft_vocab, greedy))
 
 

@@ -104,6 +104,7 @@ def test_default_tree_is_auto_and_each_row_names_the_tree_it_used(tmp_path, caps
     (["--turns", "all"], "--turns all asks later turns after the conversation so far, as the chat template renders "
                          "it; add --chat"),
     (["--per-task", "0"], "--per-task 0 must be >= 1"),
+    (["--buckets", "512,many"], "--buckets '512,many': expected comma-separated integers"),
     (["--per-task", "2"], "--per-task: no record of the prompts file names a \"category\""),
 ])
 def test_benchmark_bad_input_is_one_line(args, message, capsys):
@@ -194,6 +195,25 @@ def test_later_turns_are_asked_after_plain_greedy_answers(tmp_path, capsys):
         assert json.loads(out.read_text())["results"][0]["new_tokens"] == count * 6
         per_task = json.loads(out.read_text())["results"][0]["per_task"]  # a later turn is its record's task's
         assert {t: f["prompts"] for t, f in per_task.items()} == {"mt_bench": 2 if turns == "all" else 1, "qa": 1}
+
+
+def test_one_bucket_compiles_one_program_per_method(tmp_path):
+    """--buckets 512: every prompt is padded to 512 tokens, so each method compiles once, where the default
+    buckets take one program per prompt length class; the tokens stay plain decoding's."""
+    prompts = tmp_path / "p.jsonl"  # 8, 80 and 280 tokens: three of the default buckets
+    prompts.write_text("".join(json.dumps({"prompt": "def f(x):\n    return x" * n}) + "\n" for n in (1, 10, 35)))
+    counts = {}
+    for flag in ([], ["--buckets", "512"]):
+        out = tmp_path / f"b{len(flag)}.json"
+        assert benchmark.main(["--methods", "plain,medusa", "--tree", "chain:2", "--prompts", str(prompts),
+                               "--batch-sizes", "1", "--max-new-tokens", "4", "--repeats", "1", *flag,
+                               "--json", str(out)]) == 0
+        result = json.loads(out.read_text())
+        assert result["settings"]["buckets"] == ([512] if flag else None)
+        assert all(r["matches_plain"] is not False for r in result["results"])
+        counts[bool(flag)] = [(r["compilations"], r["buckets"]) for r in result["results"]]
+    assert counts[True] == [(1, 1), (1, 1)]
+    assert counts[False] == [(3, 3), (3, 3)]
 
 
 def test_per_task_figures_are_each_tasks_own_prompts_and_batches():
