@@ -470,6 +470,56 @@ def test_rerun_replaces_an_old_dataset(model_dir, prompts_file, fixed_dir, tmp_p
     assert len(HeadDataset(d)) == 2 and HeadDataset(d).hidden is None
 
 
+def test_a_killed_hidden_state_pass_resumes_where_it_recorded(model_dir, prompts_file, tmp_path, capsys,
+                                                               monkeypatch):
+    """The hidden states fill *.partial files in place, recording the batches done; a run killed in that
+    pass and run again goes on from the record, computing only the batches after it, and writes what an
+    uninterrupted run writes. A changed setting starts over."""
+    common = ["--base", model_dir, "--prompts", prompts_file, "--mode", "fixed", "--max-len", "24",
+              "--batch-size", "1", "--store-hidden", "float16", "--store-features"]
+    assert run(capsys, *common, "--out", tmp_path / "whole")[0] == 0
+    real, calls = make_data._last_hidden, []
+
+    def killed_at(n):
+        def forward(*a, **k):
+            calls.append(1)
+            if len(calls) == n:
+                raise KeyboardInterrupt
+            return real(*a, **k)
+        return forward
+
+    monkeypatch.setattr(make_data, "SAVE_EVERY_S", 0.0)  # record after every batch
+    monkeypatch.setattr(make_data, "_last_hidden", killed_at(3))
+    out = tmp_path / "d"
+    assert run(capsys, *common, "--out", out)[0] == cli.INTERRUPTED
+    assert json.loads((out / "hidden-progress.json").read_text())["done"] == 2
+    assert {"hidden.npy.partial", "features.npy.partial"} <= {p.name for p in out.iterdir()}
+    assert not (out / "meta.json").exists() and not (out / "hidden.npy").exists()
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(make_data, "_last_hidden", counted)
+    calls.clear()
+    code, _, err = run(capsys, *common, "--out", out)
+    assert code == 0 and "resuming the hidden states after batch 2" in err
+    assert len(calls) == len(RECORDS) - 2  # the two recorded batches were not computed again
+    assert sorted(p.name for p in out.iterdir()) == ["features.npy", "hidden.npy", "loss_mask.npy", "meta.json",
+                                                    "offsets.npy", "tokens.npy"]
+    for name in ("hidden.npy", "features.npy", "tokens.npy"):
+        np.testing.assert_array_equal(np.load(out / name), np.load(tmp_path / "whole" / name))
+    # A killed run with other settings (batch size 2) does not take that record's arrays.
+    monkeypatch.setattr(make_data, "_last_hidden", killed_at(2))
+    calls.clear()
+    assert run(capsys, *common, "--batch-size", "2", "--out", out)[0] == cli.INTERRUPTED
+    monkeypatch.setattr(make_data, "_last_hidden", counted)
+    calls.clear()
+    code, _, err = run(capsys, *common, "--out", out)
+    assert code == 0 and "resuming" not in err and len(calls) == len(RECORDS)
+    np.testing.assert_array_equal(np.load(out / "hidden.npy"), np.load(tmp_path / "whole" / "hidden.npy"))
+
+
 def test_help_describes_every_flag(capsys):
     with pytest.raises(SystemExit):
         make_data.main(["--help"])

@@ -24,17 +24,20 @@ from clover_jax.model import Llama
 # The files `train.make_data` writes; meta.json is written last, so without it a dataset is unfinished.
 FILES = ("tokens.npy", "offsets.npy", "loss_mask.npy", "hidden.npy", "features.npy")
 META = "meta.json"
+# make_data's hidden-state pass in progress: the arrays filled so far and how far (`HiddenProgress`).
+PARTIAL = ("hidden.npy.partial", "features.npy.partial", "hidden-progress.json")
 MAKERS = ("train.make_data", "train.merge_data")  # what a dataset's meta.json may say made it
 HIDDEN_DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
 
 def prepare_dataset_dir(out: Path) -> None:
     """Make `out` ready for a new dataset: refuse a directory holding anything else, and remove an
-    old dataset's meta.json first, so an interrupted run never leaves old and new files looking whole."""
+    old dataset's meta.json first, so an interrupted run never leaves old and new files looking whole.
+    An interrupted hidden-state pass (`PARTIAL`) is kept for make_data to resume."""
     cli.check_output_dir(out, "--out")
     out.mkdir(parents=True, exist_ok=True)
     ours = (META,) + FILES + tuple(temporary_name(name).name for name in (META,) + FILES)  # meta.json goes first
-    foreign = sorted(p.name for p in out.iterdir() if p.name not in ours)
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in ours + PARTIAL)
     if foreign:
         raise CloverError(f"{out}: holds {foreign[0]}, which is not part of a dataset; choose an empty or "
                           "new --out directory")

@@ -30,18 +30,24 @@ The output directory (`train.data.HeadDataset` reads it):
                  middle and high decoder layers EAGLE-3 drafts from (`model.low_mid_high`), from the
                  same forward; meta.json's feature_layers names them
   meta.json      written last, so a directory without it is not a finished dataset
-Every file is written under a temporary name and renamed into place.
+Every file is written under a temporary name and renamed into place. The hidden states fill
+hidden.npy.partial (and features.npy.partial) in place, hidden-progress.json recording every minute how
+many batches are done: a run killed during that pass, run again with the same examples and settings,
+goes on from there.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
+import hashlib
 import json
+import os
 import sys
+import time
 from pathlib import Path
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -55,16 +61,17 @@ from clover_jax.config import ModelConfig
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import BUCKETS, Generator, bucket_for, to_host
 from clover_jax.errors import CloverError
-from clover_jax.files import atomic_path, write_text
+from clover_jax.files import write_text
 from clover_jax.model import Llama, causal_self_mask, low_mid_high
 from clover_jax.sampling import SamplingConfig
 from clover_jax.sharding import make_mesh, put_batch
 from clover_jax import cli
 from clover_jax.conversation import answer_turns, encode_conversation, masked_ids, record_turns
 from train.answers import AnswerStore
-from train.data import HIDDEN_DTYPES, META, prepare_dataset_dir, save_array
+from train.data import HIDDEN_DTYPES, META, PARTIAL, prepare_dataset_dir, save_array
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+SAVE_EVERY_S = 60.0  # how often the hidden-state pass records how far it got
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,17 +225,21 @@ def _last_hidden(graphdef, params, tokens: jax.Array, *, dtype: str, feature_lay
 
 def write_hidden(model: Llama, tokens: np.ndarray, offsets: np.ndarray, out: np.ndarray, batch_size: int,
                  max_len: int, mesh=None, features: np.ndarray | None = None,
-                 feature_layers: tuple[int, ...] = ()) -> None:
+                 feature_layers: tuple[int, ...] = (), start: int = 0,
+                 on_batch: Callable[[int], None] | None = None) -> None:
     """Fill `out` [N, D] with the hidden state at every token, one causal forward per example, and
     `features` [N, F, D] (given with `feature_layers`) with the outputs of those layers from the same forward.
 
     Examples go through in order of length, right-padded to a length bucket (so a few programs are
-    compiled) in batches of a fixed size; right padding changes nothing at the real positions."""
+    compiled) in batches of a fixed size; right padding changes nothing at the real positions. The
+    first `start` batches are taken as done (a resumed pass); `on_batch(batches done)` follows each."""
     graphdef, params = nnx.split(model)
     buckets = tuple(b for b in BUCKETS if b < max_len) + (max_len,)
     lengths = np.diff(offsets)
     order = np.argsort(lengths, kind="stable")
-    for group in tqdm(cli.batches(order, batch_size), desc="hidden states", unit="batch", dynamic_ncols=True):
+    groups = cli.batches(order, batch_size)
+    for done, group in enumerate(tqdm(groups[start:], desc="hidden states", unit="batch", dynamic_ncols=True,
+                                      initial=start, total=len(groups)), start + 1):
         t = bucket_for(int(lengths[group].max()), buckets)
         batch = np.zeros((batch_size, t), np.int32)
         for row, e in enumerate(group):
@@ -240,6 +251,63 @@ def write_hidden(model: Llama, tokens: np.ndarray, offsets: np.ndarray, out: np.
             out[offsets[e]: offsets[e + 1]] = hidden[row, : lengths[e]]
             if features is not None:
                 features[offsets[e]: offsets[e + 1]] = feats[row, : lengths[e]]
+        if on_batch is not None:
+            on_batch(done)
+
+
+def open_partial(out: Path, key: str, shapes: list[tuple[int, ...]], dtype) -> tuple[list[np.ndarray], int]:
+    """The hidden-state pass's arrays, memory-mapped under their PARTIAL names in `out`, and the batches
+    already done: an interrupted pass's, when its record names the same `key` (same examples, model and
+    settings) and its arrays are whole; else new ones, none done."""
+    paths, record = [out / name for name in PARTIAL[: len(shapes)]], out / PARTIAL[2]
+    try:
+        saved = json.loads(record.read_text())
+        if saved["key"] == key:
+            arrays = [np.lib.format.open_memmap(p, mode="r+") for p in paths]
+            if all(a.shape == s and a.dtype == dtype for a, s in zip(arrays, shapes)):
+                return arrays, int(saved["done"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    record.unlink(missing_ok=True)
+    return [np.lib.format.open_memmap(p, mode="w+", dtype=dtype, shape=s) for p, s in zip(paths, shapes)], 0
+
+
+def store_hidden(model: Llama, tokens: np.ndarray, offsets: np.ndarray, out: Path, dtype_name: str,
+                 feature_layers: tuple[int, ...], fingerprint: str, args, max_len: int, mesh=None) -> None:
+    """hidden.npy (and features.npy) in `out`, resumable: the arrays fill in place under PARTIAL names, and
+    every SAVE_EVERY_S the batches done so far are recorded (after a flush), so a killed run picks up at
+    its last record rather than from the start (SmolLM2's 800 longest ShareGPT conversations take two
+    hours on a 2-core CPU). Renamed into place when whole."""
+    d = model.cfg.hidden_size
+    shapes = [(len(tokens), d)] + ([(len(tokens), len(feature_layers), d)] if feature_layers else [])
+    settings = [fingerprint, dtype_name, list(feature_layers), args.batch_size, max_len, args.dtype]
+    digest = hashlib.sha256(json.dumps(settings).encode())
+    for array in (tokens, offsets):
+        digest.update(np.ascontiguousarray(array).tobytes())
+    key = digest.hexdigest()
+    arrays, start = open_partial(out, key, shapes, HIDDEN_DTYPES[dtype_name])
+    if start:
+        print(f"resuming the hidden states after batch {start}, where an earlier run stopped", file=sys.stderr)
+    last = time.monotonic()
+
+    def checkpoint(done: int) -> None:
+        nonlocal last
+        if time.monotonic() - last >= SAVE_EVERY_S:
+            for array in arrays:
+                array.flush()
+            write_text(out / PARTIAL[2], json.dumps({"key": key, "done": done}) + "\n")
+            last = time.monotonic()
+
+    write_hidden(model, tokens, offsets, arrays[0], args.batch_size, max_len, mesh, (arrays + [None])[1],
+                 feature_layers, start=start, on_batch=checkpoint)
+    for array in arrays:
+        array.flush()
+    arrays.clear()  # the maps closed before their files are renamed
+    for partial, name in zip(PARTIAL, ("hidden.npy", "features.npy")):
+        if (out / partial).exists() and (name == "hidden.npy" or feature_layers):
+            os.replace(out / partial, out / name)
+    for name in PARTIAL:
+        (out / name).unlink(missing_ok=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -384,23 +452,13 @@ def make_data(args: argparse.Namespace) -> int:
     offsets = np.concatenate([[0], np.cumsum([len(ids) for ids, _ in examples])]).astype(np.int64)
     hidden_dtype = None if args.store_hidden == "none" else args.store_hidden
     feature_layers = low_mid_high(cfg.num_layers) if args.store_features else ()
+    fingerprint = base_fingerprint(model)
     if hidden_dtype:
-        dtype = HIDDEN_DTYPES[hidden_dtype]
-        with contextlib.ExitStack() as stack:  # each file renamed into place only when all are written
-            tmp = [stack.enter_context(atomic_path(out / name))
-                   for name in ("hidden.npy", "features.npy")[: 1 + bool(feature_layers)]]
-            hidden = np.lib.format.open_memmap(tmp[0], mode="w+", dtype=dtype, shape=(len(tokens), cfg.hidden_size))
-            features = None if not feature_layers else np.lib.format.open_memmap(
-                tmp[1], mode="w+", dtype=dtype, shape=(len(tokens), len(feature_layers), cfg.hidden_size))
-            write_hidden(model, tokens, offsets, hidden, args.batch_size, max_len, mesh, features, feature_layers)
-            for array in (hidden, features):
-                if array is not None:
-                    array.flush()
-            del hidden, features
+        store_hidden(model, tokens, offsets, out, hidden_dtype, feature_layers, fingerprint, args, max_len, mesh)
     save_array(out / "tokens.npy", tokens)
     save_array(out / "offsets.npy", offsets)
     save_array(out / "loss_mask.npy", mask)
-    meta = {"base_fingerprint": base_fingerprint(model), "vocab_size": cfg.vocab_size,
+    meta = {"base_fingerprint": fingerprint, "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.hidden_size, "num_examples": len(examples), "num_tokens": int(len(tokens)),
             "num_response_tokens": int(mask.sum()), "mode": args.mode, "max_len": max_len,
             "hidden_dtype": hidden_dtype, "feature_layers": list(feature_layers) or None, "prompts_file": str(args.prompts), "created_by": "train.make_data",
