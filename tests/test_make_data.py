@@ -520,6 +520,25 @@ def test_a_killed_hidden_state_pass_resumes_where_it_recorded(model_dir, prompts
     np.testing.assert_array_equal(np.load(out / "hidden.npy"), np.load(tmp_path / "whole" / "hidden.npy"))
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_partial_hidden_arrays_reopen_as_written(dtype, tmp_path):
+    """A recorded pass's arrays come back with their dtype and values (bfloat16 is stored as raw 2-byte
+    records, and must be viewed as bfloat16 again), and the batches it recorded; another key gets new ones."""
+    dt = make_data.HIDDEN_DTYPES[dtype]
+    (hidden, features), done = make_data.open_partial(tmp_path, "k", [(5, 4), (5, 3, 4)], dt)
+    assert done == 0
+    hidden[:2], features[:2] = 1.5, -2.0
+    hidden.flush(), features.flush()
+    (tmp_path / "hidden-progress.json").write_text(json.dumps({"key": "k", "done": 1}))
+    del hidden, features
+    (hidden, features), done = make_data.open_partial(tmp_path, "k", [(5, 4), (5, 3, 4)], dt)
+    assert done == 1 and hidden.dtype == features.dtype == dt
+    assert np.all(hidden[:2].astype(np.float32) == 1.5) and np.all(features[:2].astype(np.float32) == -2.0)
+    del hidden, features
+    (hidden, _), done = make_data.open_partial(tmp_path, "other", [(5, 4), (5, 3, 4)], dt)
+    assert done == 0 and not (tmp_path / "hidden-progress.json").exists() and np.all(hidden.astype(np.float32) == 0)
+
+
 def test_help_describes_every_flag(capsys):
     with pytest.raises(SystemExit):
         make_data.main(["--help"])

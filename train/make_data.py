@@ -264,6 +264,9 @@ def open_partial(out: Path, key: str, shapes: list[tuple[int, ...]], dtype) -> t
         saved = json.loads(record.read_text())
         if saved["key"] == key:
             arrays = [np.lib.format.open_memmap(p, mode="r+") for p in paths]
+            # bfloat16 comes back as the raw 2-byte records .npy stores it as
+            arrays = [a.view(dtype) if a.dtype.kind == "V" and a.dtype.itemsize == dtype.itemsize else a
+                      for a in arrays]
             if all(a.shape == s and a.dtype == dtype for a, s in zip(arrays, shapes)):
                 return arrays, int(saved["done"])
     except (OSError, ValueError, KeyError, TypeError):
