@@ -301,15 +301,14 @@ def store_hidden(model: Llama, tokens: np.ndarray, offsets: np.ndarray, out: Pat
             write_text(out / PARTIAL[2], json.dumps({"key": key, "done": done}) + "\n")
             last = time.monotonic()
 
-    write_hidden(model, tokens, offsets, arrays[0], args.batch_size, max_len, mesh, (arrays + [None])[1],
-                 feature_layers, start=start, on_batch=checkpoint)
+    write_hidden(model, tokens, offsets, arrays[0], args.batch_size, max_len, mesh,
+                 arrays[1] if feature_layers else None, feature_layers, start=start, on_batch=checkpoint)
     for array in arrays:
         array.flush()
     arrays.clear()  # the maps closed before their files are renamed
-    for partial, name in zip(PARTIAL, ("hidden.npy", "features.npy")):
-        if (out / partial).exists() and (name == "hidden.npy" or feature_layers):
-            os.replace(out / partial, out / name)
-    for name in PARTIAL:
+    for partial, name in zip(PARTIAL[: len(shapes)], ("hidden.npy", "features.npy")):
+        os.replace(out / partial, out / name)
+    for name in PARTIAL:  # the record, and a features array an earlier run's settings left
         (out / name).unlink(missing_ok=True)
 
 
