@@ -11,6 +11,15 @@ One step, all static shapes (N tree nodes, depth D, B sequences):
    positions (`Drafter.commit`: Clover's Augmenting Block runs over them only, so its cache never holds
    rejected tokens).
 Each sequence accepts its own number of tokens; the loop stops per sequence at EOS or its budget.
+
+Pacing (`step_cost`): where a speculative step costs more than a plain one (a CPU, where each verified
+row costs compute), drafting pays only while enough drafts are accepted. Given that cost (in plain
+steps), the loop keeps a running mean of the drafts accepted per speculative step and takes a plain step
+(the root alone: one row, no drafting) whenever 1 + that mean falls short of the cost, with a
+speculative step every PROBE_EVERY plain steps to see whether drafts pay again. The choice depends only
+on earlier steps, so each step's token keeps plain decoding's distribution either way. A plain step
+costs what plain decoding's does: what it commits waits (`SpecState.pending`) and reaches the drafter
+in one `commit` before the next speculative step.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from clover_jax.cache import KVCache, tree_mask
+from clover_jax.cache import KVCache, causal_mask, tree_mask
 from clover_jax.decode import DecodeState, Generator, prefill, stream_tokens, to_host
 from clover_jax.draft_vocab import DraftVocab
 from clover_jax.drafter import Committed, Drafter
@@ -58,7 +67,27 @@ class SpecState:
     plain: DecodeState  # tokens [B, M + D + 1] (a step may overshoot M; trimmed on the host); `last` is
     # the tree's root: the base model's next token, emitted but not yet in the cache
     draft: object  # the drafter's own state (`Drafter.init`)
-    accept_hist: jax.Array  # [B, D + 1] steps that accepted d drafted tokens, per sequence
+    accept_hist: jax.Array  # [B, D + 1] speculative steps that accepted d drafted tokens, per sequence
+    plain_steps: jax.Array  # [B] steps a sequence took without drafting (pacing)
+    gain: jax.Array  # [] running mean of drafted tokens accepted per speculative step (pacing)
+    idle: jax.Array  # [] plain steps since the last speculative one (pacing)
+    pending: Committed | None = None  # what plain steps committed since, [B, PROBE_EVERY, ...] (pacing)
+    pending_n: jax.Array | None = None  # [B] how many of those each sequence holds (pacing)
+
+
+# Pacing (see the module docstring): the running mean's weight on the newest speculative step, and the
+# longest run of plain steps before one speculative step probes whether drafts pay again. A probe that
+# does not pay costs (step_cost - 1) plain steps, so one in 8 costs under 5% where nothing is accepted.
+GAIN_WEIGHT = 0.25
+PROBE_EVERY = 8
+
+
+def speculate_now(s: SpecState, step_cost: float | None) -> jax.Array:
+    """Whether the next step drafts: always without a step cost; with one, while the drafts' recent
+    acceptance pays for it, or to probe after PROBE_EVERY plain steps."""
+    if step_cost is None:
+        return jnp.ones((), bool)
+    return (1.0 + s.gain >= step_cost) | (s.idle >= PROBE_EVERY)
 
 
 def accept_greedy(st: StepTree, tokens: jax.Array, logits: jax.Array, max_depth: int):
@@ -141,9 +170,10 @@ def compact(cache: KVCache, path: jax.Array) -> KVCache:
 
 def generate_speculative(graphdefs: SpecGraph, params: SpecParams, prompts, prompt_lens, budgets, keys, *,
                          tree: Tree | DynamicTree, sampling: SamplingConfig, eos_ids: tuple[int, ...], max_new: int,
-                         cache_len: int, mesh=None, stream=None) -> SpecState:
+                         cache_len: int, mesh=None, stream=None, step_cost: float | None = None) -> SpecState:
     """Speculative generation as one pure function (jit with the keyword args static); stream: a host
-    callback given the tokens after each step (`decode.stream_tokens`)."""
+    callback given the tokens after each step (`decode.stream_tokens`); step_cost: a speculative step's
+    cost in plain steps, to pace drafting by (the module docstring), or None to draft at every step."""
     base = nnx.merge(graphdefs.base, params.base)
     drafter: Drafter = nnx.merge(graphdefs.drafter, params.drafter)
     b, depth = prompts.shape[0], tree.max_depth
@@ -161,13 +191,29 @@ def generate_speculative(graphdefs: SpecGraph, params: SpecParams, prompts, prom
         cache=out.cache, tokens=jnp.zeros((b, max_new + depth + 1), jnp.int32), num_new=jnp.zeros((b,), jnp.int32),
         last=root, done=budgets <= 0, finite=jnp.isfinite(logits).all(-1), keys=keys, step=jnp.zeros((), jnp.int32))
     state = SpecState(plain=plain.append(root[:, None], jnp.ones((b,), jnp.int32), budgets, eos_ids), draft=draft,
-                      accept_hist=jnp.zeros((b, depth + 1), jnp.int32))
+                      accept_hist=jnp.zeros((b, depth + 1), jnp.int32), plain_steps=jnp.zeros((b,), jnp.int32),
+                      gain=jnp.asarray(0.0 if step_cost is None else step_cost - 1.0, jnp.float32),
+                      idle=jnp.zeros((), jnp.int32))
+    if step_cost is not None:
+        slots = lambda x: None if x is None else jnp.zeros((b, PROBE_EVERY, *x.shape[2:]), x.dtype)
+        state = state.replace(pending=Committed(slots(out.hidden), slots(out.hidden_normed), slots(following),
+                                                slots(out.features)), pending_n=jnp.zeros((b,), jnp.int32))
     ranks = (tree.beam,) * depth if isinstance(tree, DynamicTree) else tree.max_rank
 
     def cond(s: SpecState):
         return (s.plain.step < max_new) & ~jnp.all(s.plain.done)
 
-    def body(s: SpecState):
+    def advance(s: SpecState, cache: KVCache, bonus, emitted, count, logits) -> SpecState:
+        """Record a step whose K/V sit at the cache's first `count` [B] new slots, which emits count
+        tokens `emitted` [B, P] (the accepted drafts, then the `bonus` token, the next root), `logits`
+        [B, V] its bonus token's."""
+        p = s.plain
+        live = ~p.done
+        p = p.replace(cache=cache.advance(jnp.where(live, count, 0)), last=jnp.where(live, bonus, p.last),
+                      step=p.step + 1, finite=p.finite & (jnp.isfinite(logits).all(-1) | p.done))
+        return s.replace(plain=p.append(emitted, count, budgets, eos_ids))
+
+    def speculative_step(s: SpecState) -> SpecState:
         p = s.plain
         key = step_keys(p.keys, p.step + 1)
         c = p.cache
@@ -182,22 +228,59 @@ def generate_speculative(graphdefs: SpecGraph, params: SpecParams, prompts, prom
         accepted = st.at(st.depth, best)  # drafted tokens accepted, per sequence
         count = accepted + 1  # tokens committed to the cache (root + accepted) = tokens emitted
         live = ~p.done
-        cache = compact(out.cache, path).advance(jnp.where(live, count, 0))
         path_tokens = jnp.take_along_axis(tokens, path, axis=1)  # [B, D+1]
         emitted = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
         emitted = emitted.at[rows, accepted].set(bonus)  # accepted drafts, then the bonus
         on_path = lambda x: None if x is None else jnp.take_along_axis(x, path.reshape(b, -1, *(1,) * (x.ndim - 2)), 1)
         new = Committed(on_path(out.hidden), on_path(out.hidden_normed), emitted, on_path(out.features))
-        draft = drafter.commit(base, draft, new, count, live)
-        path_logits = jnp.take_along_axis(out.logits, best[:, None, None], axis=1)[:, 0]
-        p = p.replace(cache=cache, last=jnp.where(live, bonus, p.last), step=p.step + 1,
-                      finite=p.finite & (jnp.isfinite(path_logits).all(-1) | p.done))
         hist = s.accept_hist + jax.nn.one_hot(accepted, depth + 1, dtype=jnp.int32) * live[:, None]
-        s = SpecState(plain=p.append(emitted, count, budgets, eos_ids), draft=draft, accept_hist=hist)
-        stream_tokens(stream, s.plain, mesh)
-        return s
+        mean = jnp.sum(jnp.where(live, accepted, 0)) / jnp.maximum(jnp.sum(live), 1)
+        s = s.replace(draft=drafter.commit(base, draft, new, count, live), accept_hist=hist,
+                      gain=(1 - GAIN_WEIGHT) * s.gain + GAIN_WEIGHT * mean, idle=jnp.zeros((), jnp.int32))
+        path_logits = jnp.take_along_axis(out.logits, best[:, None, None], axis=1)[:, 0]
+        return advance(s, compact(out.cache, path), bonus, emitted, count, path_logits)
 
-    return jax.lax.while_loop(cond, body, state)
+    def plain_step(s: SpecState) -> SpecState:
+        """The root alone through the base model, a plain decoding step; what it commits waits in
+        `pending` for the drafter (`flush`)."""
+        p = s.plain
+        c = p.cache
+        out = base(p.last[:, None], c.lengths[:, None], causal_mask(c.lengths, 1, cache_len), c,
+                   feature_layers=layers)
+        bonus = sample(out.logits[:, 0], use_keys(step_keys(p.keys, p.step + 1), BONUS), sampling)
+        live = ~p.done
+        at = jnp.where(live, s.pending_n, PROBE_EVERY)  # a finished sequence's row is dropped
+        put = lambda buf, x: None if buf is None else buf.at[rows, at].set(x[:, 0], mode="drop")
+        q = s.pending
+        pending = Committed(put(q.hidden, out.hidden), put(q.hidden_normed, out.hidden_normed),
+                            put(q.tokens, bonus[:, None]), put(q.features, out.features))
+        s = s.replace(pending=pending, pending_n=s.pending_n + live, plain_steps=s.plain_steps + live,
+                      idle=s.idle + 1)
+        return advance(s, out.cache, bonus, bonus[:, None], jnp.ones((b,), jnp.int32), out.logits[:, 0])
+
+    def flush(s: SpecState) -> SpecState:
+        """Hand the drafter what plain steps committed since the last speculative step, in one commit."""
+        n = s.pending_n
+        return s.replace(draft=drafter.commit(base, s.draft, s.pending, n, n > 0), pending_n=jnp.zeros_like(n))
+
+    def streamed(step):
+        def body(s: SpecState):
+            s = step(s)
+            stream_tokens(stream, s.plain, mesh)
+            return s
+        return body
+
+    if step_cost is None:
+        return jax.lax.while_loop(cond, streamed(speculative_step), state)
+
+    # Paced: runs of speculative steps and runs of plain steps, each a loop of its own. (A `lax.cond`
+    # between the two steps made XLA copy the whole KV cache in and out of the branch at every step.)
+    # At most PROBE_EVERY plain steps pass between two speculative ones, so `pending` holds them all.
+    def run(drafting: bool):
+        keep = lambda s: cond(s) & (speculate_now(s, step_cost) == drafting)
+        return lambda s: jax.lax.while_loop(keep, streamed(speculative_step if drafting else plain_step), s)
+
+    return flush(jax.lax.while_loop(cond, lambda s: run(False)(run(True)(flush(s))), state))
 
 
 class SpeculativeGenerator(Generator):
@@ -206,8 +289,11 @@ class SpeculativeGenerator(Generator):
     (`draft_vocab.DraftVocab`)."""
 
     def __init__(self, model: Llama, heads: Drafter, tree: Tree | DynamicTree, *,
-                 draft_vocab: DraftVocab | None = None, **kwargs):
+                 draft_vocab: DraftVocab | None = None, step_cost: float | None = None, **kwargs):
         super().__init__(model, **kwargs)
+        if step_cost is not None and not step_cost > 0:
+            raise CloverError(f"step cost {step_cost} must be a positive number of plain steps (or none)")
+        self.step_cost = step_cost
         draft_vocab = heads.drafting_vocab(model, draft_vocab)
         if self.mesh is not None:
             shard_module(heads, self.mesh)
@@ -227,7 +313,7 @@ class SpeculativeGenerator(Generator):
         return generate_speculative
 
     def _static(self) -> dict:
-        return {"tree": self.tree}
+        return {"tree": self.tree, "step_cost": self.step_cost}
 
     def _slack(self) -> int:
         # The tree's N slots, or the drafter's draft slots when it drafts more (a dynamic tree's beam).
@@ -235,5 +321,5 @@ class SpeculativeGenerator(Generator):
 
     def statistics(self, state: SpecState) -> tuple[DecodeState, np.ndarray, np.ndarray | None]:
         num, hist = to_host(state.plain.num_new), to_host(state.accept_hist)
-        # The prefill's forward pass yields each sequence's first token.
-        return state.plain, np.where(num > 0, hist.sum(-1) + 1, 0), hist
+        # The prefill's forward pass yields each sequence's first token; paced plain steps one each.
+        return state.plain, np.where(num > 0, hist.sum(-1) + to_host(state.plain_steps) + 1, 0), hist

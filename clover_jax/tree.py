@@ -381,6 +381,35 @@ def auto_tree(num_heads: int, backend: str | None = None, chain_tau=None) -> str
     return f"chain:{best + 1}"
 
 
+def auto_step_cost(spec: str, backend: str | None = None) -> float | None:
+    """What a step of `spec`, the tree `auto_tree` picked, costs in plain steps on `backend`: the
+    speculative loop paces its drafting by it (`speculative.speculate_now`: plain steps while the drafts
+    accepted do not pay for it). On a CPU a chain:D step costs CPU_CHAIN_COST; on an accelerator the
+    paper tree costs about one plain step, so None: draft at every step."""
+    kind, _, depth = spec.partition(":")
+    if (backend or jax.default_backend()) != "cpu" or kind != "chain":
+        return None
+    base, per_depth = CPU_CHAIN_COST
+    return round(base + per_depth * int(depth), 4)
+
+
+def step_cost_for(value, tree_spec, auto_spec: str, backend: str | None = None) -> float | None:
+    """The step cost a `--step-cost` value means for a run of tree `tree_spec`: "auto" paces the tree
+    `auto` picked (`auto_spec`) by `auto_step_cost` and leaves any other tree unpaced; "none" (or None)
+    never paces; a number is the cost, in plain steps."""
+    if value is None or value == "none":
+        return None
+    if value == "auto":
+        return auto_step_cost(auto_spec, backend) if tree_spec == "auto" else None
+    try:
+        cost = float(value)
+    except (TypeError, ValueError):
+        cost = float("nan")
+    if not cost > 0:
+        raise CloverError(f"--step-cost {value!r}: write auto, none, or a speculative step's cost in plain steps (> 0)")
+    return cost
+
+
 def _named(name: str, heads: int) -> Tree:
     return Tree.from_paths(NAMED_TREES[name]).truncated(heads)
 

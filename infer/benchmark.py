@@ -36,7 +36,7 @@ from clover_jax.draft_vocab import parse_size
 from clover_jax.errors import CloverError
 from clover_jax.sampling import SamplingConfig
 from clover_jax.sharding import make_mesh
-from clover_jax.tree import auto_tree
+from clover_jax.tree import auto_tree, step_cost_for
 from clover_jax import cli
 from infer import report
 from infer.bandwidth import BandwidthProbe, plain_efficiency, plain_phases
@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "when greedy, 99%% of that probability mass when sampling; the whole vocabulary when "
                         "sampling with heads exported without it); with --shape, N drafts from N tokens of the "
                         "random model and auto from all (default: %(default)s)")
+    p.add_argument("--step-cost", default="auto", metavar="LIST",
+                   help="comma-separated pacings to measure every speculative method with (infer.generate's "
+                        "--step-cost): auto (on a CPU, the tree auto picks paced by its measured cost: plain steps "
+                        "while the drafts accepted lately do not pay for it; unpaced elsewhere), none (draft at every "
+                        "step) or a speculative step's cost in plain steps; each row names its pacing "
+                        "(default: %(default)s)")
     p.add_argument("--prompts", metavar="FILE",
                    help="JSONL prompts: {\"prompt\"}, Spec-Bench {\"turns\"} or ShareGPT {\"conversations\"} "
                         "records, their first turns and, with --chat, their later ones (--turns) "
@@ -178,6 +184,19 @@ def tree_used(spec: str | None, method: str, heads_dir: Path) -> str | None:
     return None if resolved == "default" else resolved
 
 
+def cost_used(value: str | None, spec: str | None, method: str, heads_dir: Path) -> float | None:
+    """The step cost a `--step-cost` value paces `method` by on tree `spec` (`tree.step_cost_for`, as
+    infer.generate resolves it), before `tree_used` resolves `auto`."""
+    if method == "plain":
+        return None
+    return step_cost_for(value, spec or "default", tree_used("auto", method, heads_dir) or "default")
+
+
+def paced(spec: str | None, cost: float | None) -> str:
+    """A speculative row's tree column: its tree, and the step cost it was paced by."""
+    return (spec or "default") + ("" if cost is None else f" paced {cost:g}")
+
+
 def engine_pass(generator: Generator, prompts: list[list[int]], batch_size: int, max_new: int,
                 sampling: SamplingConfig, seed: int, progress,
                 eos: tuple[int, ...] = ()) -> list[GenerationOutput]:
@@ -221,7 +240,9 @@ def run_engines(generators: dict[str, Generator], prompts: list[list[int]], batc
         new = sum(len(t) for t in tokens)
         run_s = statistics.median(sum(batches) for batches in seconds[name])
         accept = [] if hist is None else [float(hist[d:].sum() / max(hist.sum(), 1)) for d in range(1, len(hist))]
-        stats = dict(tau=new / max(sum(seq_steps), 1), accept_per_depth=accept, tokens_per_s=new / run_s,
+        # Of the steps after the prefills, those that drafted (all of them unless the loop was paced).
+        drafted = None if hist is None else float(hist.sum() / max(sum(seq_steps) - sum(map(bool, seq_steps)), 1))
+        stats = dict(tau=new / max(sum(seq_steps), 1), accept_per_depth=accept, drafted=drafted, tokens_per_s=new / run_s,
                      step_ms=1e3 * run_s / max(steps, 1), steps=steps, new_tokens=new,
                      compile_s=sum(out.compile_seconds for out in outs), compilations=gen.compilations,
                      buckets=len({bucket_for(max(len(p) for p in group), gen.buckets)
@@ -342,8 +363,9 @@ def _benchmark(args: argparse.Namespace) -> int:
         if value < 1:
             raise CloverError(f"{flag} {value} must be >= 1")
     draft_vocabs = list(dict.fromkeys(str(parse_size(v)) for v in args.draft_vocab.split(",") if v.strip())) or ["auto"]
-    configs = [(m, t, None if m == "plain" else dv) for m, t in _configs(args.tree, methods)
-               for dv in ([None] if m == "plain" else draft_vocabs)]
+    costs = list(dict.fromkeys(v.strip() for v in args.step_cost.split(",") if v.strip())) or ["auto"]
+    configs = [(m, t, None if m == "plain" else dv, None if m == "plain" else sc) for m, t in _configs(args.tree, methods)
+               for dv in ([None] if m == "plain" else draft_vocabs) for sc in ([None] if m == "plain" else costs)]
     path = cli.model_dir(args.model)
     cfg = ModelConfig.from_pretrained(path)
     tokenizer = cli.load_tokenizer(path, cli.chat_template_flag(args.chat, args.chat_template))
@@ -361,7 +383,8 @@ def _benchmark(args: argparse.Namespace) -> int:
     mesh = make_mesh(args.mesh) if args.mesh else None
     _, model = load_pretrained(path, dtype=DTYPES[args.dtype], mesh=mesh)
     heads_root = Path(args.heads_root) if args.heads_root else cli.heads_root(args.model, path)
-    configs = list(dict.fromkeys((m, tree_used(t, m, heads_root / m), dv) for m, t, dv in configs))
+    configs = list(dict.fromkeys((m, tree_used(t, m, heads_root / m), dv, cost_used(sc, t, m, heads_root / m))
+                                 for m, t, dv, sc in configs))
 
     _check_outputs(args)
     tasks = tasks_of(records)
@@ -387,11 +410,11 @@ def _benchmark(args: argparse.Namespace) -> int:
             for temp in temps:
                 sampling = SamplingConfig(temperature=temp)
                 generators = {}
-                for method, spec, dv in configs:
+                for method, spec, dv, cost in configs:
                     heads = None if method == "plain" else str(heads_root / method)
-                    generators[label(method, spec, draft_vocab=dv)] = make_generator(
+                    generators[label(method, paced(spec, cost), draft_vocab=dv)] = make_generator(
                         model, method, model_path=path, heads=heads, tree=spec, seed=args.seed, mesh=mesh,
-                        draft_vocab=dv, greedy=sampling.greedy, buckets=buckets)
+                        draft_vocab=dv, greedy=sampling.greedy, buckets=buckets, step_cost=cost)
                 measured = run_engines(generators, prompts, b, args.max_new_tokens, args.repeats, progress,
                                        sampling, args.seed, tasks, answer_eos)
                 if args.profile and b == sizes[0] and temp == temps[0]:
@@ -400,10 +423,11 @@ def _benchmark(args: argparse.Namespace) -> int:
                         progress.set_postfix_str(f"{name}, profiling")
                         profiles[name] = profile_ops(gen, group, args.max_new_tokens, sampling, args.seed,
                                                      Path(args.profile) / profile_folder(name), batch_size=b)
-                for (method, spec, dv), (name, gen) in zip(configs, generators.items()):
+                for (method, spec, dv, cost), (name, gen) in zip(configs, generators.items()):
                     stats, tokens = measured[name]
                     tree, vocab = gen.tree, gen.draft_vocab
-                    row = Row(method=method, batch_size=b, tree="" if method == "plain" else spec or "default",
+                    row = Row(method=method, batch_size=b, tree="" if method == "plain" else paced(spec, cost),
+                              step_cost=cost,
                               temperature=temp, draft_vocab=dv or "", draft_vocab_size=vocab.size if vocab else 0,
                               tree_nodes=tree.num_nodes if tree else 1, **stats)
                     if method == "plain":
@@ -431,7 +455,8 @@ def _benchmark(args: argparse.Namespace) -> int:
         shape = None
         if args.shape:
             progress.set_postfix_str(f"--shape {args.shape}")
-            shape = shape_step_times(args.shape, args.shape_layers, configs, sizes[0], args.max_new_tokens,
+            shape = shape_step_times(args.shape, args.shape_layers, list(dict.fromkeys(c[:3] for c in configs)),
+                                     sizes[0], args.max_new_tokens,
                                      args.seed, progress, mesh)
             project(shape, {label(r.method, r.tree or None, draft_vocab=r.draft_vocab): r.tau for r in rows
                             if r.batch_size == sizes[0] and r.temperature == temps[0]}, bandwidth)

@@ -26,7 +26,7 @@ from clover_jax.model import Llama
 from clover_jax.sampling import SamplingConfig
 from clover_jax.sharding import describe_mesh
 from clover_jax.speculative import SpeculativeGenerator
-from clover_jax.tree import resolve_tree
+from clover_jax.tree import auto_tree, resolve_tree, step_cost_for
 from clover_jax import cli
 from clover_jax.conversation import answer_turns, record_turns
 
@@ -98,6 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "vocabulary; auto: the tokens making up 99.9%% of the counts when greedy, 99%% of the "
                         "probability mass when sampling (the whole vocabulary for heads exported without it) "
                         "(default: %(default)s)")
+    p.add_argument("--step-cost", default="auto", metavar="C",
+                   help="pace the drafting by what a speculative step costs, in plain steps: while the drafts "
+                        "accepted lately (a running mean) do not pay for C, take plain steps (no drafting), with a "
+                        "speculative step after every 8 to see whether drafts pay again; the text is the same "
+                        "(greedy) or keeps its distribution (sampling). auto: the CPU's measured cost of the chain "
+                        "--tree auto picks there (1.15 + 0.14 per draft), no pacing on a GPU or TPU, where a tree "
+                        "step costs about one plain step, or for any other --tree; none: draft at every step "
+                        "(default: %(default)s)")
     p.add_argument("--num-heads", type=int, metavar="K",
                    help="number of heads with --heads random (default: " + ", ".join(f"{m} {methods.get(m).depth}" for m in methods.HEADS) + ")")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
@@ -162,11 +170,11 @@ class StreamPrinter:
 def make_generator(model: Llama, method: str, *, model_path, heads: str | None = None, tree: str | None = None,
                    num_heads: int | None = None, max_len: int | None = None, seed: int = 0,
                    mesh=None, draft_vocab: str | int | None = "auto", greedy: bool = True,
-                   buckets=BUCKETS) -> Generator:
+                   buckets=BUCKETS, step_cost: str | float | None = "auto") -> Generator:
     """The generator for `method`: plain, or a speculative one with its heads (a directory, "random",
-    or None for the ones shipped beside the model), its tree (a spec; None for the method's default)
-    and its draft vocabulary (a `--draft-vocab` value; `greedy` says which `auto` means); `buckets` are
-    the prompt lengths it pads to (`Generator`)."""
+    or None for the ones shipped beside the model), its tree (a spec; None for the method's default),
+    its draft vocabulary (a `--draft-vocab` value; `greedy` says which `auto` means) and its pacing (a
+    `--step-cost` value, `tree.step_cost_for`); `buckets` are the prompt lengths it pads to (`Generator`)."""
     if max_len is not None and max_len < 2:
         raise CloverError(f"--max-len {max_len} must be >= 2 (a prompt token plus a new one)")
     if method == "plain":
@@ -181,16 +189,18 @@ def make_generator(model: Llama, method: str, *, model_path, heads: str | None =
                               "for untrained heads")
         heads_dir = heads or shipped
         draft = load_heads(heads_dir, model, method)
-    draft_tree = resolve_tree(tree, method, draft.num_heads, held_out_chain_tau(heads_dir))
-    return SpeculativeGenerator(model, draft, draft_tree, max_len=max_len, buckets=buckets,
-                                mesh=mesh, draft_vocab=load_draft_vocab(heads_dir, model, draft_vocab, greedy))
+    chain_tau = held_out_chain_tau(heads_dir)
+    draft_tree = resolve_tree(tree, method, draft.num_heads, chain_tau)
+    cost = step_cost_for(step_cost, tree, auto_tree(draft.num_heads, chain_tau=chain_tau))
+    return SpeculativeGenerator(model, draft, draft_tree, max_len=max_len, buckets=buckets, mesh=mesh,
+                                draft_vocab=load_draft_vocab(heads_dir, model, draft_vocab, greedy), step_cost=cost)
 
 
 class Tally:
     """What the statistics line reports, summed over generate calls."""
 
     def __init__(self):
-        self.new_tokens = self.steps = self.seq_steps = 0
+        self.new_tokens = self.steps = self.seq_steps = self.sequences = self.drafted = 0
         self.compile_s = self.run_s = 0.0
 
     def add(self, out) -> None:
@@ -198,6 +208,8 @@ class Tally:
         self.new_tokens += sum(len(t) for t in out.tokens)
         self.steps += out.steps
         self.seq_steps += sum(out.sequence_steps)
+        self.sequences += sum(1 for steps in out.sequence_steps if steps)  # each began with a prefill
+        self.drafted += 0 if out.accept_hist is None else int(out.accept_hist.sum())
         self.compile_s += out.compile_seconds
         self.run_s += out.run_seconds
 
@@ -208,6 +220,9 @@ class Tally:
         if tree is not None:
             vocab = generator.draft_vocab
             shape += f", drafting from {'all' if vocab is None else vocab.size} tokens"
+            if generator.step_cost is not None:  # paced: how many of the steps after the prefills drafted
+                shape += (f", paced at {generator.step_cost:g} plain steps: drafted in "
+                          f"{self.drafted}/{self.seq_steps - self.sequences} steps")
         if generator.mesh is not None:
             shape += f" mesh {describe_mesh(generator.mesh)}"
         return (f"[{method}]{shape} new_tokens={self.new_tokens} steps={self.steps} tau={tau:.2f} "
@@ -341,7 +356,7 @@ def _generate(args: argparse.Namespace) -> int:
     _, model = load_pretrained(path, dtype=DTYPES[args.dtype], mesh=mesh)
     generator = make_generator(model, args.method, model_path=args.model, heads=args.heads, tree=args.tree,
                                num_heads=args.num_heads, max_len=args.max_len, seed=args.seed, mesh=mesh,
-                               draft_vocab=args.draft_vocab, greedy=sampling.greedy)
+                               draft_vocab=args.draft_vocab, greedy=sampling.greedy, step_cost=args.step_cost)
     if args.interactive:
         if sys.stdin.isatty():
             print("chat: type a message and press Enter; Ctrl-D ends", file=sys.stderr)

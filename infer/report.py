@@ -29,7 +29,9 @@ class Row:
     draft_vocab_size: int = 0  # tokens the heads drafted from; 0: the whole vocabulary
     tree_nodes: int = 1
     tau: float | None = 1.0  # None for the transformers rows (their steps are not ours to count)
-    accept_per_depth: list[float] = dataclasses.field(default_factory=list)
+    accept_per_depth: list[float] = dataclasses.field(default_factory=list)  # of the steps that drafted
+    step_cost: float | None = None  # what a paced row's loop took a speculative step to cost (plain steps)
+    drafted: float | None = None  # the share of a speculative row's steps (prefills apart) that drafted
     tokens_per_s: float = 0.0
     speedup: float = 1.0
     step_ms: float = 0.0  # the whole generation's time (prefill included) per forward pass
@@ -66,8 +68,8 @@ def machine_info(bandwidth: float) -> dict:
 
 
 def format_table(rows: list[Row]) -> str:
-    head = f"{'method':<17}{'batch':>5} {'tree (nodes)':<22}{'vocab':>6}{'tau':>6}{'tok/s':>9}{'speedup':>8}{'step ms':>9}" \
-           f"{'compile s':>10}{'compiles':>9}  accept@1..D"
+    head = f"{'method':<17}{'batch':>5} {'tree (nodes)':<25}{'vocab':>6}{'tau':>6}{'tok/s':>9}{'speedup':>8}{'step ms':>9}" \
+           f"{'compile s':>10}{'compiles':>9}{'drafted':>8}  accept@1..D"
     lines = [head, "-" * len(head)]
     for r in rows:
         tree = f"{r.tree} ({r.tree_nodes})" if r.tree else "-"
@@ -77,9 +79,10 @@ def format_table(rows: list[Row]) -> str:
         step = f"{r.step_ms:.2f}" if r.step_ms else "-"
         comp = f"{r.compile_s:.1f}" if r.buckets else "-"
         tau = "-" if r.tau is None else f"{r.tau:.2f}"
+        drafted = "-" if r.drafted is None else f"{r.drafted:.0%}"
         name = r.method if not r.temperature else f"{r.method} T={r.temperature:g}"
-        lines.append(f"{name:<17}{r.batch_size:>5} {tree:<22}{vocab:>6}{tau:>6}{r.tokens_per_s:>9.1f}{r.speedup:>7.2f}x"
-                     f"{step:>9}{comp:>10}{compiles:>9}  {' '.join(f'{a:.2f}' for a in r.accept_per_depth)}{same}")
+        lines.append(f"{name:<17}{r.batch_size:>5} {tree:<25}{vocab:>6}{tau:>6}{r.tokens_per_s:>9.1f}{r.speedup:>7.2f}x"
+                     f"{step:>9}{comp:>10}{compiles:>9}{drafted:>8}  {' '.join(f'{a:.2f}' for a in r.accept_per_depth)}{same}")
     return "\n".join(lines)
 
 

@@ -73,7 +73,9 @@ def test_benchmark_runs_and_reports(tmp_path, capsys):
 
 def test_default_tree_is_auto_and_each_row_names_the_tree_it_used(tmp_path, capsys):
     """No --tree: each method's `auto` tree, resolved as infer.generate resolves it (on this CPU a chain
-    through every head for heads that record no held-out tau per depth, as the reference model's), and the row, the table and the JSON name it; `default` is the paper tree."""
+    through every head for heads that record no held-out tau per depth, as the reference model's), and
+    the row, the table and the JSON name it; `default` is the paper tree. --step-cost auto paces that
+    chain by the CPU's cost of it, none not at all: a row each, both writing plain decoding's tokens."""
     assert benchmark._configs([], ["plain", "clover2"]) == [("plain", None), ("clover2", "auto")]
     heads = cli.model_dir(None) / "heads" / "medusa"
     assert benchmark.tree_used("auto", "medusa", heads) == "chain:4"
@@ -86,10 +88,14 @@ def test_default_tree_is_auto_and_each_row_names_the_tree_it_used(tmp_path, caps
     assert benchmark.tree_used("auto", "medusa", recorded) == "chain:1"
     out = tmp_path / "bench.json"
     assert benchmark.main(["--methods", "plain,clover2", "--num-prompts", "1", "--batch-sizes", "1",
-                           "--max-new-tokens", "3", "--repeats", "1", "--json", str(out)]) == 0
-    [row] = [r for r in json.loads(out.read_text())["results"] if r["method"] == "clover2"]
-    assert (row["tree"], row["tree_nodes"], row["matches_plain"]) == ("chain:5", 6, True)
-    assert "chain:5 (6)" in capsys.readouterr().out
+                           "--max-new-tokens", "3", "--repeats", "1", "--step-cost", "auto,none", "--json", str(out)]) == 0
+    paced, unpaced = [r for r in json.loads(out.read_text())["results"] if r["method"] == "clover2"]
+    assert (paced["tree"], paced["tree_nodes"], paced["matches_plain"]) == ("chain:5 paced 1.85", 6, True)
+    assert (unpaced["tree"], unpaced["tree_nodes"], unpaced["matches_plain"]) == ("chain:5", 6, True)
+    assert (paced["step_cost"], unpaced["step_cost"], unpaced["drafted"]) == (1.85, None, 1.0)
+    assert 0 < paced["drafted"] <= 1  # the first step drafts (the running mean starts at what pays)
+    table = capsys.readouterr().out
+    assert "chain:5 paced 1.85 (6)" in table and "chain:5 (6)" in table
 
 
 @pytest.mark.parametrize("args, message", [
@@ -105,6 +111,7 @@ def test_default_tree_is_auto_and_each_row_names_the_tree_it_used(tmp_path, caps
                          "it; add --chat"),
     (["--per-task", "0"], "--per-task 0 must be >= 1"),
     (["--buckets", "512,many"], "--buckets '512,many': expected comma-separated integers"),
+    (["--methods", "medusa", "--step-cost", "auto,0"], "--step-cost '0': write auto, none, or a speculative step's"),
     (["--per-task", "2"], "--per-task: no record of the prompts file names a \"category\""),
 ])
 def test_benchmark_bad_input_is_one_line(args, message, capsys):

@@ -30,8 +30,9 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 FLAGS = ("--model", "--prompt", "--prompts", "--chat", "--method", "--max-new-tokens", "--temperature",
          "--top-p", "--top-k", "--seed", "--dtype", "--max-len", "--batch-size", "--json",
          "--heads", "--tree", "--draft-vocab", "--num-heads", "--mesh", "--coordinator", "--num-processes", "--process-id",
-         "--stream", "--system", "--interactive", "--compile-cache", "--chat-template", "--turns")
-STATS = re.compile(r"^\[(plain|medusa|clover|clover2)\]( tree=\d+ nodes, depth \d+, drafting from (all|\d+) tokens)? "
+         "--stream", "--system", "--interactive", "--compile-cache", "--chat-template", "--turns", "--step-cost")
+STATS = re.compile(r"^\[(plain|medusa|clover|clover2)\]( tree=\d+ nodes, depth \d+, drafting from (all|\d+) tokens"
+                   r"(, paced at [\d.]+ plain steps: drafted in \d+/\d+ steps)?)? "
                    r"new_tokens=\d+ steps=\d+ tau=[\d.]+ tokens/s=[\d.]+ compile=[\d.]+s run=[\d.]+s$")
 NEW = 6  # new tokens per prompt in every test, so most tests share one compiled shape
 

@@ -143,6 +143,31 @@ def test_a_draft_model_with_its_own_cache_decodes_as_plain(base, plain, method, 
         np.testing.assert_allclose(np.asarray(state.context[j]), fresh.context[0], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("method", ["clover2", "eagle", "eagle3"])
+def test_paced_drafting_hands_the_drafter_what_plain_steps_committed(base, plain, method):
+    """Paced by a step cost its random drafts never pay (3 plain steps), the loop takes plain steps,
+    whose positions reach the drafter in one commit before each probing speculative step: greedy output
+    is plain decoding's, and the drafter's cache (EAGLE's, or Clover-2's Augmenting Block's) and context
+    end as committing the prompt and the whole text from scratch leaves them."""
+    drafter = perturbed(method, base, 3)
+    gen = SpeculativeGenerator(base, drafter, resolve_tree("widths:3,2,2", method, 3), step_cost=3.0)
+    out = gen.generate(PROMPTS, MAX_NEW, eos_ids=[])
+    assert out.tokens == [p[:MAX_NEW] for p in plain]
+    plain_steps = np.asarray(out.state.plain_steps)
+    assert plain_steps.min() > 0 and np.asarray(out.accept_hist).sum(1).min() > 1  # both kinds of step
+    state = out.state.draft
+    cache = state.aug_cache if method == "clover2" else state.cache
+    for j, prompt in enumerate(PROMPTS):
+        length = int(cache.lengths[j])
+        assert length == int(out.state.plain.cache.lengths[j])
+        seq = prompt + plain[j][: length - len(prompt)]
+        fresh = fresh_commit(base, drafter, seq, plain[j][length - len(prompt)])
+        fresh_cache = fresh.aug_cache if method == "clover2" else fresh.cache
+        np.testing.assert_allclose(np.asarray(cache.k[0])[j, :, :length], fresh_cache.k[0][0, :, :length],
+                                   atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(np.asarray(state.context[j]), fresh.context[0], atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 def test_eagle3_over_a_draft_vocabulary_decodes_as_plain(base, plain, batch):
     """EAGLE-3 with a draft vocabulary of its own (every other token the text uses) under the engine's

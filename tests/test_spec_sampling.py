@@ -97,8 +97,10 @@ def table_heads(base) -> TableHeads:
     return TableHeads(base.cfg, table)
 
 
-def sample_tokens(base, method: str, sampling: SamplingConfig, tree: str = TREE, draft_vocab: int = 0) -> np.ndarray:
-    """Samples of the first NEW tokens; with `draft_vocab`, the heads draft from the first that many ids."""
+def sample_tokens(base, method: str, sampling: SamplingConfig, tree: str = TREE, draft_vocab: int = 0,
+                  step_cost: float | None = None) -> np.ndarray:
+    """Samples of the first NEW tokens; with `draft_vocab`, the heads draft from the first that many ids;
+    with `step_cost`, the loop paces its drafting by it (`speculative.speculate_now`)."""
     if method == "table":
         heads = table_heads(base)
     else:
@@ -107,7 +109,7 @@ def sample_tokens(base, method: str, sampling: SamplingConfig, tree: str = TREE,
     # An 8-token bucket holds the prefix: the default smallest (32) would make the big batch's prefill
     # and cache four times wider than the prefix needs.
     gen = SpeculativeGenerator(base, heads, resolve_tree(tree, "clover" if method == "table" else method, 3),
-                               draft_vocab=vocab, buckets=(8,))
+                               draft_vocab=vocab, buckets=(8,), step_cost=step_cost)
     rows = []
     for seed in range(DRAWS):
         out = gen.generate([PREFIX] * BATCH, NEW, sampling, seed=seed, eos_ids=())
@@ -117,6 +119,8 @@ def sample_tokens(base, method: str, sampling: SamplingConfig, tree: str = TREE,
     hist = out.accept_hist.sum(0)
     assert hist[1:].sum() > 0.15 * hist.sum()  # drafts really are accepted, at every depth
     assert (hist[1:] > 0).all()
+    if step_cost is not None:  # paced: plain steps too, in every draw
+        assert np.asarray(out.state.plain_steps).sum() > 0
     return tokens
 
 
@@ -156,6 +160,15 @@ def test_sampling_stays_exact_with_a_draft_vocabulary(base, method, tree):
                          ids=[f"{m}-T{s.temperature}-p{s.top_p}-{t.split(':')[0]}" for m, s, t in CASES])
 def test_speculative_sampling_has_the_base_distribution(base, method, sampling, tree):
     pv = p_values(sample_tokens(base, method, sampling, tree), exact_joint(base, sampling))
+    assert min(pv.values()) > 1e-3, pv
+
+
+def test_paced_sampling_has_the_base_distribution(base):
+    """Paced by a step cost of 3 plain steps, the loop drafts at its first step (the running mean
+    starts at what pays) and, accepting fewer than two drafts a step on average, takes plain steps
+    after: every sample mixes both kinds of step, and the output keeps its distribution."""
+    sampling = SamplingConfig(temperature=1.0)
+    pv = p_values(sample_tokens(base, "clover2", sampling, step_cost=3.0), exact_joint(base, sampling))
     assert min(pv.values()) > 1e-3, pv
 
 

@@ -26,7 +26,7 @@ from clover_jax.errors import CloverError
 from clover_jax.heads import Heads, HeadsConfig, make_heads
 from clover_jax.model import Llama
 from clover_jax.sampling import SamplingConfig
-from clover_jax.speculative import SpeculativeGenerator, accept_greedy, compact
+from clover_jax.speculative import PROBE_EVERY, SpeculativeGenerator, accept_greedy, compact
 from clover_jax.tree import DynamicTree, Tree, chain, resolve_tree
 from conftest import TableHeads, assert_one_line, draft_with_context
 
@@ -143,28 +143,29 @@ def check_run(out, want, prompts, budgets, ref, fresh, gen):
     """Tokens equal plain greedy; statistics consistent with the tokens; what the run committed to
     the caches equals a fresh prefill of prompt + greedy continuation.
 
-    Per sequence b with hist = accept_hist[b] (live steps that accepted d drafted tokens):
-    - live steps: sum(hist) <= n_b - 1 (the prefill emits one token, each live step at least one),
-      and the last sequence to finish was live in every step: max_b sum(hist) == steps;
-    - emitted before the cut: raw = 1 + sum_d (d+1) hist[d]; only the final live step is cut (by
-      the budget or after the EOS), so raw - depth <= n_b <= raw; each sequence ends at its EOS or
+    Per sequence b with hist = accept_hist[b] (live speculative steps that accepted d drafted tokens)
+    and plain = plain_steps[b] (live steps paced to the root alone, which commit one token each):
+    - live steps: sum(hist) + plain <= n_b - 1 (the prefill emits one token, each live step at least
+      one), and the last sequence to finish was live in every step: max_b (sum(hist) + plain) == steps;
+    - emitted before the cut: raw = 1 + plain + sum_d (d+1) hist[d]; only the final live step is cut
+      (by the budget or after the EOS), so raw - depth <= n_b <= raw; each sequence ends at its EOS or
       its budget;
-    - committed to the caches: root + accepted drafts per live step, i.e. raw - 1 = sum_d (d+1)
-      hist[d] tokens past the prompt; they are the greedy continuation (past a cut too), and the
-      heads' context is the one at the last committed position, paired with the next root.
+    - committed to the caches: root + accepted drafts per live step, i.e. raw - 1 tokens past the
+      prompt; they are the greedy continuation (past a cut too), and the heads' context is the one at
+      the last committed position, paired with the next root.
     """
     assert out.tokens == want
     state, depth = out.state, gen.tree.max_depth
-    hist = np.asarray(state.accept_hist)
+    hist, plain = np.asarray(state.accept_hist), np.asarray(state.plain_steps)
     np.testing.assert_array_equal(out.accept_hist, hist)
     steps = int(state.plain.step)
     lengths = np.asarray(state.plain.cache.lengths)
     assert hist.shape == (len(prompts), depth + 1)
     assert out.steps == steps + 1
-    assert hist.sum(1).max() == steps
-    committed = hist @ (np.arange(depth + 1) + 1)
+    assert (hist.sum(1) + plain).max() == steps
+    committed = hist @ (np.arange(depth + 1) + 1) + plain
     for b, prompt in enumerate(prompts):
-        n, live = len(out.tokens[b]), int(hist[b].sum())
+        n, live = len(out.tokens[b]), int(hist[b].sum() + plain[b])
         if budgets[b] == 0:
             assert n == 0 and live == 0 and committed[b] == 0
         else:
@@ -355,6 +356,35 @@ def test_oracle_on_dynamic_trees(ref, fresh, oracle, oracle_dynamic):
         hist = np.asarray(out.state.accept_hist).sum(0)
         mean_accepted[spec] = (hist @ np.arange(len(hist))) / hist.sum()
     assert mean_accepted["eagle2:9"] > mean_accepted["dynamic:9"] > 0.3, mean_accepted
+
+
+def test_pacing_drafts_only_while_drafts_pay(ref, fresh, oracle):
+    """With a step cost, drafts that are never accepted send the loop to plain steps, with one
+    speculative step after every PROBE_EVERY plain ones; drafts that are accepted keep it drafting. The
+    tokens are plain greedy's either way, and the caches hold exactly the committed tokens."""
+    heads, _ = oracle
+    gen = SpeculativeGenerator(ref.base, heads, resolve_tree("widths:2,2,2,2", "clover", 4), step_cost=1.5)
+    nxt, v = bigram(ref), ref.base.cfg.vocab_size
+    noise = np.random.default_rng(8).uniform(0, 1, (v, v))
+    heads.set_tables([wrong(t, nxt, v, 1) for t in range(v)], [wrong(t, nxt, v, 2) for t in range(v)], noise)
+    out = gen.generate(PROMPTS, MAX_NEW)
+    check_run(out, ref.full, PROMPTS, [MAX_NEW] * 4, ref, fresh, gen)
+    # The prefill writes the first token, then 19 one-token steps: drafting at the first, it accepts
+    # nothing, so plain steps follow, and a probe after every PROBE_EVERY of them.
+    spec_steps = [0] + [k for k in range(1, MAX_NEW) if k % (PROBE_EVERY + 1) == 0]
+    longest = int(np.argmax([len(t) for t in out.tokens]))
+    assert out.accept_hist[longest].sum() == out.accept_hist[longest, 0] == len(spec_steps)
+    assert int(out.state.plain_steps[longest]) == MAX_NEW - 1 - len(spec_steps)
+    budgeted = gen.generate(PROMPTS, MAX_NEW, budgets=BUDGETS)
+    want = [truncate(c, budget, ref.eos) for c, budget in zip(ref.free, BUDGETS)]
+    check_run(budgeted, want, PROMPTS, BUDGETS, ref, fresh, gen)
+
+    heads.set_tables([nxt.get(t, wrong(t, nxt, v, 1)) for t in range(v)], [wrong(t, nxt, v, 2) for t in range(v)],
+                     noise)
+    out = gen.generate(PROMPTS, MAX_NEW)
+    check_run(out, ref.full, PROMPTS, [MAX_NEW] * 4, ref, fresh, gen)
+    assert int(np.asarray(out.state.plain_steps).sum()) == 0
+    assert out.steps < max(len(t) for t in ref.full)
 
 
 def reference_dynamic(probs: np.ndarray, root: int, tree: DynamicTree) -> set[tuple[int, ...]]:

@@ -13,11 +13,13 @@ from clover_jax.tree import (
     EAGLE_MC_SIM_7B_63,
     MEDUSA_MC_SIM_7B_63,
     Tree,
+    auto_step_cost,
     auto_tree,
     chain,
     from_widths,
     full,
     resolve_tree,
+    step_cost_for,
 )
 
 #            0 (root)
@@ -244,6 +246,22 @@ def test_auto_on_a_cpu_picks_the_chain_depth_the_held_out_tau_says_is_fastest():
     assert auto_tree(5, "gpu", weak) == "default"
     assert resolve_tree("auto", "clover2", 5, weak) == chain(1)
     assert resolve_tree("default", "clover2", 5, weak) == DEFAULT_TREES["clover2"]  # only auto reads it
+
+
+def test_step_cost_paces_the_chain_auto_picks_on_a_cpu():
+    """--step-cost auto: the CPU's cost of the chain `auto` picked (1.15 + 0.14 per draft, in plain
+    steps), and only when the tree is `auto`; no pacing on an accelerator, whose paper tree costs about
+    one plain step; none never paces; a number is the cost; anything else is one error line."""
+    assert auto_step_cost("chain:1", "cpu") == 1.29 and auto_step_cost("chain:5", "cpu") == 1.85
+    assert auto_step_cost("default", "gpu") is None and auto_step_cost("chain:1", "tpu") is None
+    assert step_cost_for("auto", "auto", "chain:1", "cpu") == 1.29
+    assert step_cost_for("auto", "chain:1", "chain:1", "cpu") is None  # a tree asked for by name is not paced
+    assert step_cost_for("auto", "auto", "default", "gpu") is None
+    assert step_cost_for("none", "auto", "chain:1", "cpu") is None and step_cost_for(None, "auto", "chain:1") is None
+    assert step_cost_for("1.5", "default", "chain:1") == 1.5 and step_cost_for(2, "auto", "chain:1") == 2.0
+    for bad in ("0", "-1", "cheap", "nan"):
+        with pytest.raises(CloverError, match=f"--step-cost '{bad}': write auto, none, or a speculative step's cost"):
+            step_cost_for(bad, "auto", "chain:1", "cpu")
 
 
 def test_resolve_dynamic_trees():
