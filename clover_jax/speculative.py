@@ -82,11 +82,9 @@ GAIN_WEIGHT = 0.25
 PROBE_EVERY = 8
 
 
-def speculate_now(s: SpecState, step_cost: float | None) -> jax.Array:
-    """Whether the next step drafts: always without a step cost; with one, while the drafts' recent
-    acceptance pays for it, or to probe after PROBE_EVERY plain steps."""
-    if step_cost is None:
-        return jnp.ones((), bool)
+def speculate_now(s: SpecState, step_cost: float) -> jax.Array:
+    """Whether the next step of a paced loop drafts: while the drafts' recent acceptance pays for the
+    step cost, or to probe after PROBE_EVERY plain steps."""
     return (1.0 + s.gain >= step_cost) | (s.idle >= PROBE_EVERY)
 
 
