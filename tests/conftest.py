@@ -12,6 +12,7 @@ import os
 import re
 import signal
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -36,6 +37,12 @@ from train import tokenizer as tokenizer_lib
 # The tools keep compiled programs in the user's cache folder by default (--compile-cache); the suite
 # writes none there: the test of the cache gives it a folder of its own.
 os.environ["CLOVER_JAX_COMPILE_CACHE"] = "off"
+# Most of the suite's time is XLA compiling programs of a two-layer model that then run for
+# milliseconds, and LLVM's optimizing passes are much of that: the suite compiles without them (also in
+# the processes it starts; a Clover-2 test of 24 s took 16). Files whose time goes into running many
+# steps (sampling statistics, the real model, training notebooks) mark themselves `optimized`.
+os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
+jax.config.update("jax_disable_most_optimizations", True)
 
 VOCAB = 64
 EOS, BOS, PAD = 2, 1, 0
@@ -95,6 +102,18 @@ def pytest_sessionfinish(session):
     The controller has the reports by then, and execnet still ends a worker stuck for 10 s more."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.fixture(autouse=True)
+def xla_effort(request, monkeypatch):
+    """A test marked `optimized` compiles with XLA's full optimization, as users' programs do."""
+    optimized = request.node.get_closest_marker("optimized") is not None
+    if optimized:
+        monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")
+        jax.config.update("jax_disable_most_optimizations", False)
+    yield
+    if optimized:
+        jax.config.update("jax_disable_most_optimizations", True)
 
 
 @pytest.fixture

@@ -19,6 +19,8 @@ from clover_jax.model import Llama, causal_self_mask
 from test_drafter import chain_logits, perturbed
 from train import losses
 
+pytestmark = pytest.mark.optimized  # its time goes into running programs, not compiling them
+
 DEPTH = 3
 
 

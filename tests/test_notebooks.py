@@ -11,9 +11,12 @@ import re
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 from conftest import tiny_llama_checkpoint
+
+pytestmark = pytest.mark.optimized  # its time goes into running programs, not compiling them
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"

@@ -9,6 +9,8 @@ from safetensors.numpy import load_file
 
 from train import pretrain
 
+pytestmark = pytest.mark.optimized  # its time goes into running programs, not compiling them
+
 TINY = ["--vocab-size", "300", "--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2",
         "--intermediate", "64", "--seq-len", "32", "--batch-size", "4", "--lr", "1e-2", "--warmup", "2",
         "--eval-windows", "4", "--eval-every", "3", "--ckpt-every", "3"]

@@ -16,6 +16,8 @@ from clover_jax.decode import Generator
 from clover_jax.tree import auto_tree
 from infer import generate
 
+pytestmark = pytest.mark.optimized  # its time goes into running programs, not compiling them
+
 SHIPPED = sources.shipped_dir("smollm2") / "heads"
 CHAT_PROMPTS = ["What is a KV cache?", "Write a haiku about autumn.", "Give me three tips for learning Python.",
                 "Why is the sky blue?"]

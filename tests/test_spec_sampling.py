@@ -28,6 +28,8 @@ from clover_jax.speculative import SpeculativeGenerator
 from clover_jax.tree import resolve_tree
 from conftest import TableHeads
 
+pytestmark = pytest.mark.optimized  # its time goes into running programs, not compiling them
+
 VOCAB = 24
 PREFIX = [3, 17, 5, 9, 12]
 NEW = 4  # t1 from the prefill, t2..t4 from speculative steps (a depth-3 tree can accept all three)
