@@ -161,6 +161,16 @@ class GenerationOutput:
     def tokens_per_second(self) -> float:
         return self.num_new_tokens / max(self.run_seconds, 1e-9)
 
+    @property
+    def decode_steps(self) -> int:
+        """Forward passes after the prefills (each sequence that ran began with one)."""
+        return sum(self.sequence_steps) - sum(1 for steps in self.sequence_steps if steps)
+
+    @property
+    def drafted_steps(self) -> int:
+        """Of `decode_steps`, those that drafted: all of them unless the loop was paced; none when plain."""
+        return 0 if self.accept_hist is None else int(self.accept_hist.sum())
+
 
 def to_host(x: jax.Array) -> np.ndarray:
     """A device array as NumPy on this host, gathered from the other processes when it spans them."""

@@ -240,8 +240,8 @@ def run_engines(generators: dict[str, Generator], prompts: list[list[int]], batc
         new = sum(len(t) for t in tokens)
         run_s = statistics.median(sum(batches) for batches in seconds[name])
         accept = [] if hist is None else [float(hist[d:].sum() / max(hist.sum(), 1)) for d in range(1, len(hist))]
-        # Of the steps after the prefills, those that drafted (all of them unless the loop was paced).
-        drafted = None if hist is None else float(hist.sum() / max(sum(seq_steps) - sum(map(bool, seq_steps)), 1))
+        later = max(sum(out.decode_steps for out in outs), 1)  # of the steps after the prefills, the share drafting
+        drafted = None if hist is None else sum(out.drafted_steps for out in outs) / later
         stats = dict(tau=new / max(sum(seq_steps), 1), accept_per_depth=accept, drafted=drafted, tokens_per_s=new / run_s,
                      step_ms=1e3 * run_s / max(steps, 1), steps=steps, new_tokens=new,
                      compile_s=sum(out.compile_seconds for out in outs), compilations=gen.compilations,

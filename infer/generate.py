@@ -200,7 +200,7 @@ class Tally:
     """What the statistics line reports, summed over generate calls."""
 
     def __init__(self):
-        self.new_tokens = self.steps = self.seq_steps = self.sequences = self.drafted = 0
+        self.new_tokens = self.steps = self.seq_steps = self.decode_steps = self.drafted = 0
         self.compile_s = self.run_s = 0.0
 
     def add(self, out) -> None:
@@ -208,8 +208,8 @@ class Tally:
         self.new_tokens += sum(len(t) for t in out.tokens)
         self.steps += out.steps
         self.seq_steps += sum(out.sequence_steps)
-        self.sequences += sum(1 for steps in out.sequence_steps if steps)  # each began with a prefill
-        self.drafted += 0 if out.accept_hist is None else int(out.accept_hist.sum())
+        self.decode_steps += out.decode_steps
+        self.drafted += out.drafted_steps
         self.compile_s += out.compile_seconds
         self.run_s += out.run_seconds
 
@@ -222,7 +222,7 @@ class Tally:
             shape += f", drafting from {'all' if vocab is None else vocab.size} tokens"
             if generator.step_cost is not None:  # paced: how many of the steps after the prefills drafted
                 shape += (f", paced at {generator.step_cost:g} plain steps: drafted in "
-                          f"{self.drafted}/{self.seq_steps - self.sequences} steps")
+                          f"{self.drafted}/{self.decode_steps} steps")
         if generator.mesh is not None:
             shape += f" mesh {describe_mesh(generator.mesh)}"
         return (f"[{method}]{shape} new_tokens={self.new_tokens} steps={self.steps} tau={tau:.2f} "
