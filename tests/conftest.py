@@ -104,15 +104,17 @@ def pytest_sessionfinish(session):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-@pytest.fixture(autouse=True)
-def xla_effort(request, monkeypatch):
-    """A test marked `optimized` compiles with XLA's full optimization, as users' programs do."""
-    optimized = request.node.get_closest_marker("optimized") is not None
-    if optimized:
-        monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")
+@pytest.fixture(autouse=True, scope="module")
+def xla_effort(request):
+    """A file marked `optimized` compiles with XLA's full optimization, as users' programs do: its
+    tests, its module fixtures (set up after this one) and the processes they start."""
+    if request.node.get_closest_marker("optimized") is None:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")
         jax.config.update("jax_disable_most_optimizations", False)
-    yield
-    if optimized:
+        yield
         jax.config.update("jax_disable_most_optimizations", True)
 
 
