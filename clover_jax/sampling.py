@@ -97,16 +97,39 @@ def use_keys(keys: jax.Array, use: int, *index) -> jax.Array:
     return keys
 
 
+def draw(probs: jax.Array, keys: jax.Array) -> jax.Array:
+    """One index per row of probs [B, ..., V] (non-negative, any scale, not all 0) with per-sequence keys
+    [B, 2]: indices [B, ...] int32, by the inverse CDF. One uniform per row, where a Gumbel draw
+    (`jax.random.categorical`) makes V of them and two logs of each: on a CPU, for SmolLM2's 49,152
+    tokens, 0.3 ms against 2 ms, a twentieth of a decoding step."""
+    cdf = jnp.cumsum(probs.astype(jnp.float32), axis=-1)
+    total = cdf[..., -1:]
+    u = jax.vmap(lambda key: jax.random.uniform(key, probs.shape[1:-1]))(keys)[..., None]
+    # u < 1, but u * total can round up to total; below it, the first index past it has mass.
+    threshold = jnp.minimum(u * total, jnp.nextafter(total, 0.0))
+    return jnp.argmax(cdf > threshold, axis=-1).astype(jnp.int32)
+
+
+# Up to this many draws, `draw_without_replacement` draws one at a time; past it, one Gumbel top-k.
+_SEQUENTIAL_DRAWS = 2
+
+
 def draw_without_replacement(q: jax.Array, keys: jax.Array, k: int) -> jax.Array:
-    """k draws without replacement from each row of q [B, ..., V], in draw order (Gumbel top-k), with
-    per-sequence keys [B, 2]: indices [B, ..., k]."""
-    gumbel = jax.vmap(lambda key, x: jax.random.gumbel(key, x.shape))(keys, q)
-    return top_k(jnp.log(q) + gumbel, k)[1]
+    """k draws without replacement from each row of q [B, ..., V], in draw order, with per-sequence keys
+    [B, 2]: indices [B, ..., k]. Few draws are made in turn (`draw`, each from q without the ones before,
+    renormalised); more as the Gumbel top-k, which costs a Gumbel draw per entry for all k at once."""
+    if k > _SEQUENTIAL_DRAWS:
+        gumbel = jax.vmap(lambda key, x: jax.random.gumbel(key, x.shape))(keys, q)
+        return top_k(jnp.log(q) + gumbel, k)[1]
+    vocab, drawn = jnp.arange(q.shape[-1]), []
+    for r in range(k):
+        drawn.append(draw(q, step_keys(keys, r)))
+        q = jnp.where(vocab == drawn[-1][..., None], 0.0, q)
+    return jnp.stack(drawn, axis=-1)
 
 
 def sample(logits: jax.Array, keys: jax.Array, cfg: SamplingConfig) -> jax.Array:
     """Draw one token per row. logits [B, V], keys [B, 2] -> [B] int32."""
     if cfg.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logp = jnp.log(distribution(logits, cfg))
-    return jax.vmap(jax.random.categorical)(keys, logp).astype(jnp.int32)
+    return draw(distribution(logits, cfg), keys)

@@ -39,7 +39,7 @@ from clover_jax.drafter import Committed, Drafter
 from clover_jax.drafting import StepTree, draft_tree, path_to
 from clover_jax.errors import CloverError
 from clover_jax.model import Llama
-from clover_jax.sampling import BONUS, ACCEPT, SamplingConfig, distribution, sample, step_keys, use_keys
+from clover_jax.sampling import BONUS, ACCEPT, SamplingConfig, distribution, draw, sample, step_keys, use_keys
 from clover_jax.sharding import place_draft_vocab, shard_module
 from clover_jax.tree import DynamicTree, Tree
 
@@ -150,8 +150,7 @@ def accept_sample(st: StepTree, tokens: jax.Array, logits: jax.Array, sampling: 
                 q = jnp.where(reject, _normalise(q.at[rows, tok].set(0.0), jnp.zeros_like(q)), q)
         p = jnp.where(moved[:, None], distribution(take(logits, nxt), sampling), p)
         cur, active = nxt, active & moved
-    bonus = jax.vmap(jax.random.categorical)(use_keys(key, BONUS), jnp.log(p))
-    return cur, bonus.astype(jnp.int32), path_to(st, cur, len(ranks))
+    return cur, draw(p, use_keys(key, BONUS)), path_to(st, cur, len(ranks))
 
 
 def compact(cache: KVCache, path: jax.Array) -> KVCache:

@@ -1,6 +1,8 @@
 """Sampling: `distribution` against hand-computed examples, `sample` against `distribution`, and the
 generator's seeds, greedy limit and per-sequence keys."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,8 @@ import scipy.stats
 import torch
 
 from clover_jax.errors import CloverError
-from clover_jax.sampling import ACCEPT, BONUS, DRAW, SamplingConfig, distribution, sample, top_k, use_keys
+from clover_jax.sampling import (ACCEPT, BONUS, DRAW, SamplingConfig, distribution, draw_without_replacement, sample,
+                                 top_k, use_keys)
 from conftest import MAX_NEW, PROMPTS, hf_logits
 
 # Probabilities [0.15, 0.5, 0.05, 0.3] (not sorted, so the top-p bookkeeping must map back).
@@ -80,6 +83,27 @@ def test_sample_draws_from_distribution(kw):
     live = expected > 0
     chi2 = float(np.sum((counts[live] - expected[live]) ** 2 / expected[live]))
     assert chi2 < 21.1, (counts, expected)
+
+
+@pytest.mark.parametrize("k", [2, 3], ids=["in-turn", "gumbel-top-k"])
+def test_draws_without_replacement_in_draw_order(k):
+    """Ordered draws of k of P's 4 tokens (2 are drawn one after the other, 3 by the Gumbel top-k): the
+    chance of (i, j, ...) is P_i * P_j / (1 - P_i) * ..., and 40000 draws pass a chi-square test over the
+    orderings (p > 1e-4)."""
+    n = 40000
+    keys = jax.random.key_data(jax.random.split(jax.random.key(2), n))
+    drawn = np.asarray(draw_without_replacement(jnp.broadcast_to(jnp.asarray(P), (n, 4)), keys, k))
+    assert drawn.shape == (n, k) and all(len(set(row)) == k for row in drawn[:2000])
+    orders = list(itertools.permutations(range(4), k))
+    expected = []
+    for order in orders:
+        left, chance = 1.0, 1.0
+        for i in order:
+            chance, left = chance * float(P[i]) / left, left - float(P[i])
+        expected.append(chance)
+    expected = n * np.array(expected) / sum(expected)
+    counts = [int(np.all(drawn == order, axis=1).sum()) for order in orders]
+    assert scipy.stats.chisquare(counts, expected).pvalue > 1e-4, (counts, expected)
 
 
 def test_greedy_sample_is_argmax():
