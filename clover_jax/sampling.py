@@ -101,7 +101,7 @@ def draw(probs: jax.Array, keys: jax.Array) -> jax.Array:
     """One index per row of probs [B, ..., V] (non-negative, any scale, not all 0) with per-sequence keys
     [B, 2]: indices [B, ...] int32, by the inverse CDF. One uniform per row, where a Gumbel draw
     (`jax.random.categorical`) makes V of them and two logs of each: on a CPU, for SmolLM2's 49,152
-    tokens, 0.3 ms against 2 ms, a twentieth of a decoding step."""
+    tokens, 0.24 ms against 1.8 ms (a twentieth of a decoding step)."""
     cdf = jnp.cumsum(probs.astype(jnp.float32), axis=-1)
     total = cdf[..., -1:]
     u = jax.vmap(lambda key: jax.random.uniform(key, probs.shape[1:-1]))(keys)[..., None]
@@ -116,8 +116,8 @@ _SEQUENTIAL_DRAWS = 2
 
 def draw_without_replacement(q: jax.Array, keys: jax.Array, k: int) -> jax.Array:
     """k draws without replacement from each row of q [B, ..., V], in draw order, with per-sequence keys
-    [B, 2]: indices [B, ..., k]. Few draws are made in turn (`draw`, each from q without the ones before,
-    renormalised); more as the Gumbel top-k, which costs a Gumbel draw per entry for all k at once."""
+    [B, 2]: indices [B, ..., k]. Few draws are made in turn (`draw`, each from q without the ones before);
+    more as the Gumbel top-k, which costs a Gumbel draw per entry for all k at once."""
     if k > _SEQUENTIAL_DRAWS:
         gumbel = jax.vmap(lambda key, x: jax.random.gumbel(key, x.shape))(keys, q)
         return top_k(jnp.log(q) + gumbel, k)[1]
