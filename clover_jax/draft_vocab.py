@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from clover_jax.errors import CloverError
+from clover_jax.layers import product
 
 AUTO_COVERAGE = 0.999  # greedy `auto` keeps the most frequent tokens that make up this share of the counts
 # Sampling `auto` keeps the most probable tokens holding this share of the base model's probability mass:
@@ -122,7 +123,7 @@ class DraftVocab:
 
     def logits(self, hidden_normed: jax.Array) -> jax.Array:
         """Draft logits over the subset: [..., D] -> [..., N] float32, index i scoring token ids[i]."""
-        return jnp.einsum("...d,nd->...n", hidden_normed, self.rows.astype(hidden_normed.dtype)).astype(jnp.float32)
+        return product("...d,nd->...n", hidden_normed, self.rows.astype(hidden_normed.dtype)).astype(jnp.float32)
 
     def take(self, full_logits: jax.Array) -> jax.Array:
         """The subset's columns of logits over the whole vocabulary (for drafters that score all of it)."""

@@ -23,6 +23,19 @@ def param(value: jax.Array, axes: tuple[str, ...]) -> nnx.Param:
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
+def product(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """`jnp.einsum(spec, a, b)`, at full float32 precision when the operands are float32.
+
+    By default accelerators multiply float32 at less than its precision (XLA:GPU in TF32, a TPU in one
+    bfloat16 pass), and the rounding then depends on the product's shape: a verify step's many rows and
+    plain decoding's one row round apart, so greedy speculative text left plain decoding's at near-ties
+    (four methods of five on MT-Bench, SmolLM2 on an H200, 2026-11-27; none with full precision). Float32
+    here means float32 on every backend, as SPEC's exactness rule assumes; XLA:CPU multiplies float32
+    fully either way, and bfloat16 is unchanged (the fast setting on an accelerator, and not exact)."""
+    full = jnp.result_type(a, b) == jnp.float32
+    return jnp.einsum(spec, a, b, precision=jax.lax.Precision.HIGHEST if full else None)
+
+
 class Linear(nnx.Module):
     """y = x @ kernel (+ bias); kernel [in, out] (HF stores the transpose)."""
 
@@ -32,7 +45,7 @@ class Linear(nnx.Module):
         self.bias = param(jnp.zeros((dout,), dtype), axes[1:]) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = x @ self.kernel[...].astype(x.dtype)
+        y = product("...i,io->...o", x, self.kernel[...].astype(x.dtype))
         return y + self.bias[...].astype(x.dtype) if self.bias is not None else y
 
 
@@ -55,7 +68,7 @@ class QKVProjection(nnx.Module):
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [B, T, D] -> q [B, T, N, H], k and v [B, T, K, H]."""
-        y = jnp.einsum("btd,dkgh->btkgh", x, self.kernel[...].astype(x.dtype))
+        y = product("btd,dkgh->btkgh", x, self.kernel[...].astype(x.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(x.dtype)
         b, t, k, g2, h = y.shape  # g2 = G + 2
@@ -139,7 +152,7 @@ def _scores(qg: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
     where mask [B, T, S] is off."""
     b, kv, tg, h = qg.shape
     t, s = mask.shape[1], k.shape[2]
-    scores = jnp.einsum("bkqh,bksh->bkqs", qg, k.astype(qg.dtype)).astype(jnp.float32) / np.sqrt(h)
+    scores = product("bkqh,bksh->bkqs", qg, k.astype(qg.dtype)).astype(jnp.float32) / np.sqrt(h)
     scores = jnp.where(mask[:, None, :, None, :], scores.reshape(b, kv, t, tg // t, s), jnp.finfo(jnp.float32).min)
     return scores.reshape(b, kv, tg, s)
 
@@ -173,14 +186,14 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, cache: KVC
         among_new = jnp.take_along_axis(mask, jnp.broadcast_to(own[:, None, :], (b, t, t)), axis=2)
     scores = _scores(qg, k, among_new)
     if cache is None or cache.fresh:  # a fresh cache (prefill) has no committed slot to read
-        out = jnp.einsum("bkqs,bksh->bkqh", jax.nn.softmax(scores, axis=-1).astype(q.dtype), v)
+        out = product("bkqs,bksh->bkqh", jax.nn.softmax(scores, axis=-1).astype(q.dtype), v)
     else:
         # One softmax over the committed slots and the new tokens, taken in two parts.
         cache_k, cache_v = cache.layer(layer)
         committed = mask & (jnp.arange(cache.max_len)[None, None, :] < cache.lengths[:, None, None])
         old = _scores(qg, cache_k, committed)
         p_old, p_new = _split_softmax(old, scores)
-        mix = lambda p, values: jnp.einsum("bkqs,bksh->bkqh", p.astype(q.dtype), values.astype(q.dtype))
+        mix = lambda p, values: product("bkqs,bksh->bkqh", p.astype(q.dtype), values.astype(q.dtype))
         out = mix(p_old, cache_v) + mix(p_new, v)
     return jnp.swapaxes(out.reshape(b, kv, t, n // kv, h), 1, 2).reshape(b, t, n, h)
 
@@ -198,13 +211,13 @@ def attend_unrolled(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, o
     qg = _grouped(q, kv)
     first = _scores(qg, k, mask)  # [B, K, T*G, T]
     q5 = qg.reshape(b, kv, t, g, h)
-    own = jnp.stack([jnp.einsum("bktgh,bkth->bktg", q5, x.astype(q.dtype)) for x in own_k], -1)  # [B, K, T, G, J]
+    own = jnp.stack([product("bktgh,bkth->bktg", q5, x.astype(q.dtype)) for x in own_k], -1)  # [B, K, T, G, J]
     own = own.astype(jnp.float32).reshape(b, kv, t * g, len(own_k)) / np.sqrt(h)
     p_first, p_own = _split_softmax(first, own)
-    out = jnp.einsum("bkqs,bksh->bkqh", p_first.astype(q.dtype), v.astype(q.dtype))
+    out = product("bkqs,bksh->bkqh", p_first.astype(q.dtype), v.astype(q.dtype))
     p_own = p_own.astype(q.dtype).reshape(b, kv, t, g, len(own_v))
     values = jnp.stack([x.astype(q.dtype) for x in own_v], 3)  # [B, K, T, J, H]
-    out = out + jnp.einsum("bktgj,bktjh->bktgh", p_own, values).reshape(out.shape)
+    out = out + product("bktgj,bktjh->bktgh", p_own, values).reshape(out.shape)
     return jnp.swapaxes(out.reshape(b, kv, t, g, h), 1, 2).reshape(b, t, n, h)
 
 
@@ -283,4 +296,4 @@ class Embed(nnx.Module):
     def attend(self, x: jax.Array) -> jax.Array:
         """Tied output projection: logits = x @ embedding^T."""
         # Contracting the table's own last axis: `x @ table.T` made XLA:CPU copy the transpose every step.
-        return jnp.einsum("...d,vd->...v", x, self.embedding[...].astype(x.dtype))
+        return product("...d,vd->...v", x, self.embedding[...].astype(x.dtype))

@@ -202,3 +202,28 @@ def test_shapes_via_eval_shape():
     assert out.logits.shape == (3, 5, 64) and out.hidden.shape == out.hidden_normed.shape == (3, 5, 32)
     assert len(out.cache.k) == 2 and out.cache.k[0].shape == (3, 2, 20, 8)
     assert sum(np.prod(v.shape) for v in jax.tree.leaves(state)) == cfg.num_params
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_float32_products_ask_for_full_precision(dtype):
+    """Accelerators multiply float32 in TF32 or one bfloat16 pass unless told otherwise, which made
+    greedy speculative text leave plain decoding's on an H200: every product of a float32 model (the
+    prefill, a step over committed slots, the draft vocabulary's logits) asks for HIGHEST; a bfloat16
+    one keeps the fast default."""
+    from clover_jax.draft_vocab import DraftVocab
+
+    cfg = ModelConfig.tiny(tie_word_embeddings=True)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
+
+    def prefill_then_step(state, tokens):
+        m = nnx.merge(graphdef, state)
+        c = m.init_cache(1, 16)
+        c = m(tokens, positions(1, 4), causal_mask(c.lengths, 4, 16), c).cache.advance(jnp.full((1,), 4))
+        step = m(tokens[:, :1], positions(1, 1, 4), causal_mask(c.lengths, 1, 16), c)
+        return DraftVocab.most_frequent(m.lm_head_weight(), None, 8).logits(step.hidden_normed)
+
+    text = jax.jit(prefill_then_step).lower(state, jax.ShapeDtypeStruct((1, 4), jnp.int32)).as_text()
+    dots = text.count("stablehlo.dot_general")
+    assert dots >= 2 * (4 * cfg.num_layers + 1)  # q/k/v, o, scores, mix (MLP's three more) per layer, both passes
+    assert text.count("precision = [HIGHEST, HIGHEST]") == (dots if dtype == jnp.float32 else 0)
+    assert text.count("HIGHEST") == (2 * dots if dtype == jnp.float32 else 0)
