@@ -61,7 +61,11 @@ def profile_ops(generator: Generator, group: list[list[int]], max_new: int, samp
     (those naming an `hlo_op`), each with its result shape and source (`hlo_sources`): the reading
     behind the profiles in docs/benchmarks.md."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    with jax.profiler.trace(str(out_dir), create_perfetto_trace=True):
+    # No Python tracer: its events (every Python call, a retrace's too) filled the trace's million-event
+    # buffer before the CPU's XLA operations were recorded, and the ranking was left with a few copies.
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    with jax.profiler.trace(str(out_dir), create_perfetto_trace=True, profiler_options=options):
         out = generator.generate(group, max_new, sampling, seed=seed, eos_ids=(), batch_size=batch_size)
     traces = sorted(out_dir.glob("**/*perfetto_trace.json.gz"), key=os.path.getmtime)
     if not traces:
