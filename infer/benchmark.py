@@ -422,7 +422,8 @@ def _benchmark(args: argparse.Namespace) -> int:
                     for name, gen in generators.items():
                         progress.set_postfix_str(f"{name}, profiling")
                         profiles[name] = profile_ops(gen, group, args.max_new_tokens, sampling, args.seed,
-                                                     Path(args.profile) / profile_folder(name), batch_size=b)
+                                                     Path(args.profile) / profile_folder(name), batch_size=b,
+                                                     eos_ids=answer_eos)
                 for (method, spec, dv, cost), (name, gen) in zip(configs, generators.items()):
                     stats, tokens = measured[name]
                     tree, vocab = gen.tree, gen.draft_vocab

@@ -55,9 +55,10 @@ def hlo_sources(text: str) -> dict[str, tuple[str, str]]:
 
 
 def profile_ops(generator: Generator, group: list[list[int]], max_new: int, sampling: SamplingConfig, seed: int,
-                out_dir: Path, top: int = 10, batch_size: int | None = None) -> list[dict]:
+                out_dir: Path, top: int = 10, batch_size: int | None = None, eos_ids: tuple[int, ...] = ()) -> list[dict]:
     """Trace one generation of `group` (filled to `batch_size`: an already compiled batch) into `out_dir`
-    and rank its operations by time per step: on an accelerator the device's kernels, on a CPU the events of XLA operations
+    and rank its operations by time per step (`eos_ids` as the timed runs had them, so that the program
+    traced is the one they compiled, not a new one): on an accelerator the device's kernels, on a CPU the events of XLA operations
     (those naming an `hlo_op`), each with its result shape and source (`hlo_sources`): the reading
     behind the profiles in docs/benchmarks.md."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -66,7 +67,7 @@ def profile_ops(generator: Generator, group: list[list[int]], max_new: int, samp
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0
     with jax.profiler.trace(str(out_dir), create_perfetto_trace=True, profiler_options=options):
-        out = generator.generate(group, max_new, sampling, seed=seed, eos_ids=(), batch_size=batch_size)
+        out = generator.generate(group, max_new, sampling, seed=seed, eos_ids=eos_ids, batch_size=batch_size)
     traces = sorted(out_dir.glob("**/*perfetto_trace.json.gz"), key=os.path.getmtime)
     if not traces:
         raise CloverError(f"jax.profiler wrote no Perfetto trace under {out_dir}; is the profiler plugin installed?")

@@ -12,6 +12,7 @@ import pytest
 
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import Generator
+from clover_jax.sampling import SamplingConfig
 from conftest import tiny_llama_checkpoint
 from clover_jax import cli
 from infer import benchmark, profiling, report, tasks
@@ -341,3 +342,15 @@ def test_mt_bench_alone_is_broken_down_by_its_categories():
     assert [w for _, w in tasks.first_of_each_task(records, 1)] == ["q:0", "q:1", "q:3", "q:4"]
     mixed = records + [({"category": "qa", "turns": ["x"]}, "q:5")]
     assert tasks.tasks_of(mixed) == ["mt_bench"] * 5 + ["qa"]
+
+
+def test_profiling_traces_the_program_the_timed_runs_compiled(tmp_path):
+    """--profile with answers that end at EOS (--chat, --stop-at-eos) traces the program the timed runs
+    compiled: profiling them without their EOS compiled another (tens of seconds a program on a GPU)."""
+    _, model = load_pretrained("models/reference")
+    gen = Generator(model)
+    prompts, eos = [[5, 6, 7, 8]], (2,)
+    gen.generate(prompts, 4, eos_ids=eos, batch_size=1)
+    before = gen.compilations
+    ops = profiling.profile_ops(gen, prompts, 4, SamplingConfig(), 0, tmp_path, batch_size=1, eos_ids=eos)
+    assert ops and gen.compilations == before
