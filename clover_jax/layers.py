@@ -29,7 +29,7 @@ def product(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     By default accelerators multiply float32 at less than its precision (XLA:GPU in TF32, a TPU in one
     bfloat16 pass), and the rounding then depends on the product's shape: a verify step's many rows and
     plain decoding's one row round apart, so greedy speculative text left plain decoding's at near-ties
-    (four methods of five on MT-Bench, SmolLM2 on an H200, 2026-11-27; none with full precision). Float32
+    (four methods of five on MT-Bench, SmolLM2 on an H200, 2026-11-27; the two rerun at full precision matched). Float32
     here means float32 on every backend, as SPEC's exactness rule assumes; XLA:CPU multiplies float32
     fully either way, and bfloat16 is unchanged (the fast setting on an accelerator, and not exact)."""
     full = jnp.result_type(a, b) == jnp.float32
