@@ -43,6 +43,10 @@ os.environ["CLOVER_JAX_COMPILE_CACHE"] = "off"
 # steps (sampling statistics, the real model, training notebooks) mark themselves `optimized`.
 os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
 jax.config.update("jax_disable_most_optimizations", True)
+# The PyTorch references run on one thread: torch's OpenMP threads wait for each other at every
+# operation, and with the other test worker holding the other core they wait long (transformers'
+# SmolLM2 writing 32 tokens beside a busy core: 35.6 s on two threads, 2.7 s on one).
+torch.set_num_threads(1)
 
 VOCAB = 64
 EOS, BOS, PAD = 2, 1, 0
