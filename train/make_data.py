@@ -357,7 +357,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "hidden states' bytes)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
                    help="dtype the base model runs in, for generation and hidden states (default: %(default)s)")
-    p.add_argument("--limit", type=int, metavar="N", help="use only the first N records of the file (after --first)")
+    p.add_argument("--limit", type=int, metavar="N",
+                   help="use only the first N records of the file (after --first); both count only records "
+                        "with a user turn, the others being left out first: on sharegpt --limit 879 is the "
+                        "file's records 0..895")
     p.add_argument("--first", type=int, default=0, metavar="N",
                    help="leave out the first N records of the file, e.g. those another data set was made from, so "
                         "the two share no conversation (fixed mode; default: %(default)s)")
