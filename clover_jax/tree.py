@@ -299,11 +299,11 @@ class DynamicTree:
         return cls(kind, n, depth, beam)
 
 
-def resolve_tree(spec, method: str, num_heads: int, chain_tau=None) -> Tree:
+def resolve_tree(spec, method: str, num_heads: int, chain_tau=None, sampling: bool = False) -> Tree:
     """The tree a user asked for, checked against the heads it will be drafted with.
 
     spec: None or "default" (the method's paper tree), "auto" (the paper tree on an accelerator, on a CPU
-    the chain `chain_tau` says is fastest: see `auto_tree`), a name from NAMED_TREES or "mc_sim_7b_63"
+    the chain `chain_tau` says is fastest when `sampling` or not: see `auto_tree`), a name from NAMED_TREES or "mc_sim_7b_63"
     (both named trees are cut to num_heads), "chain:D", "full:WxD", "widths:W1,W2,...", a JSON list
     of paths as a string, a JSON file path, a list of paths, a Tree, or a dynamic tree
     "dynamic:N[,W]" / "eagle2:N[,W]" (a DynamicTree of depth num_heads).
@@ -327,7 +327,12 @@ def resolve_tree(spec, method: str, num_heads: int, chain_tau=None) -> Tree:
     if s in ("default", "mc_sim_7b_63"):
         return _named(paper, heads)
     if s == "auto":
-        return resolve_tree(auto_tree(heads, chain_tau=chain_tau), method, heads)
+        picked = auto_tree(heads, chain_tau=chain_tau, sampling=sampling)
+        if picked == PLAIN:
+            raise CloverError(f"tree auto: with these heads no chain is modelled to beat plain decoding on this "
+                              f"{jax.default_backend()} (held-out tau {', '.join(f'{t:.2f}' for t in chain_tau)}); "
+                              "decode without drafting, or name a tree such as chain:1")
+        return resolve_tree(picked, method, heads)
     if s in NAMED_TREES:
         return _named(s, heads)
     if kind in ("chain", "full", "widths") and arg:
@@ -361,46 +366,59 @@ def resolve_tree(spec, method: str, num_heads: int, chain_tau=None) -> Tree:
 # 1.41-1.52, chain:5 1.85, chain:7 2.05 plain steps): verifying a second row costs a quarter of a plain
 # step there, each further draft and row about a seventh.
 CPU_CHAIN_COST = (1.15, 0.14)
+# What sampling adds to a speculative step beyond a plain sampling step's own draw: a draw at each head
+# over the draft vocabulary and the acceptance test (docs/benchmarks.md: a chain:1 step took 1.36-1.43
+# plain steps at T=1 against 1.27-1.28 greedy on the same prompt and machine).
+CPU_SAMPLING_COST = 0.10
+# What `auto_tree` answers where no chain is modelled to beat plain decoding: decode without drafting.
+PLAIN = "plain"
 
 
-def auto_tree(num_heads: int, backend: str | None = None, chain_tau=None) -> str:
+def cpu_chain_cost(depth: int, sampling: bool = False) -> float:
+    """A chain:`depth` step's modelled cost on a CPU, in plain steps (CPU_CHAIN_COST, CPU_SAMPLING_COST)."""
+    base, per_depth = CPU_CHAIN_COST
+    return round(base + per_depth * depth + (CPU_SAMPLING_COST if sampling else 0.0), 4)
+
+
+def auto_tree(num_heads: int, backend: str | None = None, chain_tau=None, sampling: bool = False) -> str:
     """The tree spec `auto` stands for on `backend` (default: JAX's). On an accelerator verifying a
     26-64-node tree costs about one plain step (memory-bound), so the paper trees pay. On a CPU every
     verified token costs compute (XLA:CPU runs a matmul of 2-16 rows at 2-4x a one-row one), so only a
     chain pays there, and only as deep as its drafts are accepted: with `chain_tau` (the held-out tokens
     a step of chains through the first 1, 2, ... heads reach, which train.train records as
-    `val_chain_tau_by_depth`), the depth with the most tokens per unit of CPU_CHAIN_COST; without it, a
-    chain through every head."""
+    `val_chain_tau_by_depth`), the depth with the most tokens per unit of `cpu_chain_cost` (dearer when
+    `sampling`), or PLAIN where even that depth is modelled to write fewer tokens than plain decoding in
+    the same time; without `chain_tau`, a chain through every head."""
     if (backend or jax.default_backend()) != "cpu":
         return "default"
     taus = list(chain_tau or [])[:num_heads]
     if not taus:
         return f"chain:{num_heads}"
-    base, per_depth = CPU_CHAIN_COST
-    best = max(range(len(taus)), key=lambda k: taus[k] / (base + per_depth * (k + 1)))
-    return f"chain:{best + 1}"
+    speed = [tau / cpu_chain_cost(k + 1, sampling) for k, tau in enumerate(taus)]
+    best = max(range(len(speed)), key=speed.__getitem__)
+    return f"chain:{best + 1}" if speed[best] > 1 else PLAIN
 
 
-def auto_step_cost(spec: str, backend: str | None = None) -> float | None:
+def auto_step_cost(spec: str, backend: str | None = None, sampling: bool = False) -> float | None:
     """What a step of `spec`, the tree `auto_tree` picked, costs in plain steps on `backend`: the
     speculative loop paces its drafting by it (`speculative.speculate_now`: plain steps while the drafts
-    accepted do not pay for it). On a CPU a chain:D step costs CPU_CHAIN_COST; on an accelerator the
+    accepted do not pay for it). On a CPU a chain:D step costs `cpu_chain_cost`; on an accelerator the
     paper tree costs about one plain step, so None: draft at every step."""
     kind, _, depth = spec.partition(":")
     if (backend or jax.default_backend()) != "cpu" or kind != "chain":
         return None
-    base, per_depth = CPU_CHAIN_COST
-    return round(base + per_depth * int(depth), 4)
+    return cpu_chain_cost(int(depth), sampling)
 
 
-def step_cost_for(value, tree_spec, auto_spec: str, backend: str | None = None) -> float | None:
+def step_cost_for(value, tree_spec, auto_spec: str, backend: str | None = None,
+                  sampling: bool = False) -> float | None:
     """The step cost a `--step-cost` value means for a run of tree `tree_spec`: "auto" paces the tree
     `auto` picked (`auto_spec`) by `auto_step_cost` and leaves any other tree unpaced; "none" (or None)
     never paces; a number is the cost, in plain steps."""
     if value is None or value == "none":
         return None
     if value == "auto":
-        return auto_step_cost(auto_spec, backend) if tree_spec == "auto" else None
+        return auto_step_cost(auto_spec, backend, sampling) if tree_spec == "auto" else None
     try:
         cost = float(value)
     except (TypeError, ValueError):

@@ -36,7 +36,7 @@ from clover_jax.draft_vocab import parse_size
 from clover_jax.errors import CloverError
 from clover_jax.sampling import SamplingConfig
 from clover_jax.sharding import make_mesh
-from clover_jax.tree import auto_tree, step_cost_for
+from clover_jax.tree import PLAIN, auto_tree, step_cost_for
 from clover_jax import cli
 from infer import report
 from infer.bandwidth import BandwidthProbe, plain_efficiency, plain_phases
@@ -77,8 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree", action="append", default=[], metavar="[METHOD=]SPEC",
                    help="draft tree for every speculative method, or METHOD=SPEC for one; repeat it to measure "
                         "several trees in the same run. SPEC: auto (on a CPU a chain as deep as the heads' "
-                        "held-out chain tau says is fastest, the method's paper tree elsewhere, as "
-                        "infer.generate picks), default (the method's paper "
+                        "held-out chain tau says is fastest, or plain decoding, tree 'plain', where no chain is "
+                        "modelled to pay; the method's paper tree elsewhere; as infer.generate picks), default (the method's paper "
                         "tree), chain:K, widths:4,2,2, full:WxD, a named tree, a JSON file of paths, or a dynamic "
                         "tree dynamic:N / eagle2:N (default: auto; each row names the tree it used)")
     p.add_argument("--draft-vocab", default="auto", metavar="LIST",
@@ -174,22 +174,25 @@ def _configs(specs: list[str], methods: list[str]) -> list[tuple[str, str | None
     return [("plain", None)] + [(m, t) for m, ts in trees.items() for t in (list(dict.fromkeys(ts)) or ["auto"])]
 
 
-def tree_used(spec: str | None, method: str, heads_dir: Path) -> str | None:
-    """The tree spec `auto` stands for with the heads in `heads_dir` on this backend (`tree.auto_tree`, as
-    infer.generate resolves it: `chain:D` on a CPU, D picked by the heads' held-out chain tau, the paper
-    tree, None, elsewhere), so that each row names the tree it ran; any other spec as it is."""
+def tree_used(spec: str | None, method: str, heads_dir: Path, sampling: bool = False) -> str | None:
+    """The tree spec `auto` stands for with the heads in `heads_dir` on this backend when `sampling` or
+    not (`tree.auto_tree`, as infer.generate resolves it: `chain:D` on a CPU, D picked by the heads'
+    held-out chain tau, or PLAIN where no chain is modelled to pay; the paper tree, None, elsewhere), so
+    that each row names the tree it ran; any other spec as it is."""
     if method == "plain" or spec != "auto":
         return spec
-    resolved = auto_tree(read_heads_config(heads_dir)["heads"]["num_heads"], chain_tau=held_out_chain_tau(heads_dir))
+    resolved = auto_tree(read_heads_config(heads_dir)["heads"]["num_heads"], chain_tau=held_out_chain_tau(heads_dir),
+                         sampling=sampling)
     return None if resolved == "default" else resolved
 
 
-def cost_used(value: str | None, spec: str | None, method: str, heads_dir: Path) -> float | None:
+def cost_used(value: str | None, spec: str | None, method: str, heads_dir: Path, sampling: bool = False) -> float | None:
     """The step cost a `--step-cost` value paces `method` by on tree `spec` (`tree.step_cost_for`, as
     infer.generate resolves it), before `tree_used` resolves `auto`."""
     if method == "plain":
         return None
-    return step_cost_for(value, spec or "default", tree_used("auto", method, heads_dir) or "default")
+    return step_cost_for(value, spec or "default", tree_used("auto", method, heads_dir, sampling) or "default",
+                         sampling=sampling)
 
 
 def paced(spec: str | None, cost: float | None) -> str:
@@ -383,8 +386,11 @@ def _benchmark(args: argparse.Namespace) -> int:
     mesh = make_mesh(args.mesh) if args.mesh else None
     _, model = load_pretrained(path, dtype=DTYPES[args.dtype], mesh=mesh)
     heads_root = Path(args.heads_root) if args.heads_root else cli.heads_root(args.model, path)
-    configs = list(dict.fromkeys((m, tree_used(t, m, heads_root / m), dv, cost_used(sc, t, m, heads_root / m))
-                                 for m, t, dv, sc in configs))
+    temps = _numbers(args.temperatures, "--temperatures", float, "numbers", "0,1", 0)
+    # `auto` may stand for another tree (or none: PLAIN) when sampling, whose steps cost more.
+    at_temp = {t: list(dict.fromkeys((m, tree_used(spec, m, heads_root / m, t > 0), dv,
+                                      cost_used(sc, spec, m, heads_root / m, t > 0)) for m, spec, dv, sc in configs))
+               for t in temps}
 
     _check_outputs(args)
     tasks = tasks_of(records)
@@ -399,8 +405,9 @@ def _benchmark(args: argparse.Namespace) -> int:
     bandwidth = BandwidthProbe().median()
     per_size = {b: -(-len(prompts) // b) * (args.repeats + 1) for b in sizes}  # batches per method and size
     hf_passes = sum(n * (2 if b == 1 else 1) for b, n in per_size.items()) if args.hf else 0
-    temps = _numbers(args.temperatures, "--temperatures", float, "numbers", "0,1", 0)
-    total = sum(per_size.values()) * len(configs) * len(temps) + hf_passes + (len(configs) if args.shape else 0)
+    shape_configs = list(dict.fromkeys(c[:3] for c in at_temp[temps[0]] if c[1] != PLAIN))
+    total = (sum(per_size.values()) * sum(map(len, at_temp.values())) + hf_passes
+             + (len(shape_configs) if args.shape else 0))
     rows: list[Row] = []
     profiles: dict[str, list[dict]] = {}
     efficiency = None
@@ -410,10 +417,12 @@ def _benchmark(args: argparse.Namespace) -> int:
             for temp in temps:
                 sampling = SamplingConfig(temperature=temp)
                 generators = {}
+                configs = at_temp[temp]
                 for method, spec, dv, cost in configs:
                     heads = None if method == "plain" else str(heads_root / method)
                     generators[label(method, paced(spec, cost), draft_vocab=dv)] = make_generator(
-                        model, method, model_path=path, heads=heads, tree=spec, seed=args.seed, mesh=mesh,
+                        model, "plain" if spec == PLAIN else method, model_path=path, heads=heads, tree=spec,
+                        seed=args.seed, mesh=mesh,
                         draft_vocab=dv, greedy=sampling.greedy, buckets=buckets, step_cost=cost)
                 measured = run_engines(generators, prompts, b, args.max_new_tokens, args.repeats, progress,
                                        sampling, args.seed, tasks, answer_eos)
@@ -456,7 +465,7 @@ def _benchmark(args: argparse.Namespace) -> int:
         shape = None
         if args.shape:
             progress.set_postfix_str(f"--shape {args.shape}")
-            shape = shape_step_times(args.shape, args.shape_layers, list(dict.fromkeys(c[:3] for c in configs)),
+            shape = shape_step_times(args.shape, args.shape_layers, shape_configs,
                                      sizes[0], args.max_new_tokens,
                                      args.seed, progress, mesh)
             project(shape, {label(r.method, r.tree or None, draft_vocab=r.draft_vocab): r.tau for r in rows

@@ -73,7 +73,7 @@ def format_table(rows: list[Row]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         tree = f"{r.tree} ({r.tree_nodes})" if r.tree else "-"
-        vocab = "-" if not r.tree else str(r.draft_vocab_size or "all")
+        vocab = "-" if r.tree_nodes == 1 else str(r.draft_vocab_size or "all")  # plain, or `auto` decoding plain
         compiles = f"{r.compilations}/{r.buckets}" if r.buckets else "-"
         same = "" if r.matches_plain is None else ("" if r.matches_plain else "  OUTPUT DIFFERS FROM PLAIN")
         step = f"{r.step_ms:.2f}" if r.step_ms else "-"

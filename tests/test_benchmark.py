@@ -88,6 +88,9 @@ def test_default_tree_is_auto_and_each_row_names_the_tree_it_used(tmp_path, caps
     meta["held_out"]["val_chain_tau_by_depth"] = [1.3, 1.37, 1.38, 1.39]
     (recorded / "heads.json").write_text(json.dumps(meta))
     assert benchmark.tree_used("auto", "medusa", recorded) == "chain:1"
+    assert benchmark.tree_used("auto", "medusa", recorded, sampling=True) == "plain"  # 1.3 < a 1.39 step
+    assert benchmark.cost_used("auto", "auto", "medusa", recorded, sampling=True) is None
+    assert benchmark.cost_used("auto", "auto", "medusa", recorded) == 1.29
     out = tmp_path / "bench.json"
     assert benchmark.main(["--methods", "plain,clover2", "--num-prompts", "1", "--batch-sizes", "1",
                            "--max-new-tokens", "3", "--repeats", "1", "--step-cost", "auto,none", "--json", str(out)]) == 0
@@ -98,6 +101,11 @@ def test_default_tree_is_auto_and_each_row_names_the_tree_it_used(tmp_path, caps
     assert 0 < paced["drafted"] <= 1  # the first step drafts (the running mean starts at what pays)
     table = capsys.readouterr().out
     assert "chain:5 paced 1.85 (6)" in table and "chain:5 (6)" in table
+    # Sampling, the recorded heads' one draft (1.3 tokens) does not pay for its step (1.39): a plain row.
+    assert benchmark.main(["--methods", "medusa", "--num-prompts", "1", "--batch-sizes", "1", "--max-new-tokens", "3",
+                           "--repeats", "1", "--temperatures", "1", "--heads-root", str(tmp_path), "--json", str(out)]) == 0
+    [row] = [r for r in json.loads(out.read_text())["results"] if r["method"] == "medusa"]
+    assert (row["tree"], row["tree_nodes"], row["step_cost"], row["tau"]) == ("plain", 1, None, 1.0)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -32,7 +32,8 @@ FLAGS = ("--model", "--prompt", "--prompts", "--chat", "--method", "--max-new-to
          "--heads", "--tree", "--draft-vocab", "--num-heads", "--mesh", "--coordinator", "--num-processes", "--process-id",
          "--stream", "--system", "--interactive", "--compile-cache", "--chat-template", "--turns", "--step-cost")
 STATS = re.compile(r"^\[(plain|medusa|clover|clover2)\]( tree=\d+ nodes, depth \d+, drafting from (all|\d+) tokens"
-                   r"(, paced at [\d.]+ plain steps: drafted in \d+/\d+ steps)?)? "
+                   r"(, paced at [\d.]+ plain steps: drafted in \d+/\d+ steps)?"
+                   r"| plain decoding \(tree auto: no chain of these heads is modelled to beat it here\))? "
                    r"new_tokens=\d+ steps=\d+ tau=[\d.]+ tokens/s=[\d.]+ compile=[\d.]+s run=[\d.]+s$")
 NEW = 6  # new tokens per prompt in every test, so most tests share one compiled shape
 
@@ -110,6 +111,34 @@ def test_speculative_methods_print_the_plain_text(method, model_dir, hf_tok, lib
     code, out, err = run_cli(capsys, "--model", model_dir, "--prompt", prompt, "--method", method,
                              "--heads", tmp_path / "other")
     assert code == 2 and "trained for another base model" in err and err.count("\n") == 1
+
+
+def test_auto_decodes_plain_where_no_chain_of_the_heads_pays(model_dir, hf_tok, library, capsys, tmp_path):
+    """Heads whose held-out tau at one draft (1.3 tokens a step) beats a greedy chain:1 step's modelled
+    cost on a CPU (1.29 plain steps) but not a sampling one's (1.39): `--tree auto` drafts one token a
+    step greedy, and decodes plain when sampling, writing what plain decoding writes with the same seed,
+    and the statistics line says so. A tree asked for by name still drafts."""
+    from clover_jax.checkpoint import CONFIG, save_heads
+    from clover_jax.heads import HeadsConfig, make_heads
+
+    _, model = load_pretrained(model_dir)
+    heads = tmp_path / "heads"
+    save_heads(make_heads(HeadsConfig("medusa", 2), model, seed=1), model, heads)
+    meta = json.loads((heads / CONFIG).read_text())
+    meta["held_out"] = {"val_chain_tau_by_depth": [1.3, 1.33]}
+    (heads / CONFIG).write_text(json.dumps(meta))
+    prompt = "def add(a, b):"
+    ids = [hf_tok(prompt)["input_ids"]]
+    common = ["--model", model_dir, "--prompt", prompt, "--max-new-tokens", NEW, "--method", "medusa", "--heads", heads]
+    code, out, err = run_cli(capsys, *common)
+    assert (code, out) == (0, hf_tok.decode(library(ids)[0], skip_special_tokens=True) + "\n"), err
+    assert STATS.match(err.strip()) and err.startswith("[medusa] tree=2 nodes, depth 1,") and "paced at 1.29" in err
+    hot = SamplingConfig(temperature=1.0)
+    code, out, err = run_cli(capsys, *common, "--temperature", 1, "--seed", 3)
+    assert (code, out) == (0, hf_tok.decode(library(ids, hot, 3)[0], skip_special_tokens=True) + "\n"), err
+    assert STATS.match(err.strip()) and err.startswith("[medusa] plain decoding (tree auto:"), err
+    code, out, err = run_cli(capsys, *common, "--temperature", 1, "--seed", 3, "--tree", "chain:1")
+    assert code == 0 and err.startswith("[medusa] tree=2 nodes, depth 1,") and "paced" not in err, err
 
 
 @pytest.mark.parametrize("method", ["plain", "medusa"])

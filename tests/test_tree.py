@@ -12,10 +12,12 @@ from clover_jax.tree import (
     DynamicTree,
     EAGLE_MC_SIM_7B_63,
     MEDUSA_MC_SIM_7B_63,
+    PLAIN,
     Tree,
     auto_step_cost,
     auto_tree,
     chain,
+    cpu_chain_cost,
     from_widths,
     full,
     resolve_tree,
@@ -246,6 +248,24 @@ def test_auto_on_a_cpu_picks_the_chain_depth_the_held_out_tau_says_is_fastest():
     assert auto_tree(5, "gpu", weak) == "default"
     assert resolve_tree("auto", "clover2", 5, weak) == chain(1)
     assert resolve_tree("default", "clover2", 5, weak) == DEFAULT_TREES["clover2"]  # only auto reads it
+
+
+def test_auto_on_a_cpu_decodes_plain_where_no_chain_is_modelled_to_pay():
+    """Sampling adds the draws and the acceptance test to a speculative step (CPU_SAMPLING_COST): a
+    chain:1 step is modelled at 1.39 plain steps then, against 1.29 greedy. Heads whose best depth
+    writes fewer tokens than that cost get PLAIN, and `resolve_tree` refuses to make a tree of it in one
+    line; heads that pay keep their chain, and an accelerator its paper tree."""
+    assert (cpu_chain_cost(1), cpu_chain_cost(1, sampling=True), cpu_chain_cost(5, True)) == (1.29, 1.39, 1.95)
+    weak = [1.38, 1.49, 1.52, 1.54, 1.55]  # 1.38 / 1.39 at one draft; deeper chains pay less
+    assert auto_tree(5, "cpu", weak) == "chain:1" and auto_tree(5, "cpu", weak, sampling=True) == PLAIN
+    assert auto_tree(5, "cpu", [1.29, 1.4]) == PLAIN  # exactly a step's cost is no gain
+    assert auto_tree(4, "cpu", [1.9, 2.7, 3.3, 3.5], sampling=True) == "chain:3"
+    assert auto_tree(5, "gpu", weak, sampling=True) == "default" and auto_tree(5, "cpu", sampling=True) == "chain:5"
+    assert auto_step_cost("chain:1", "cpu", sampling=True) == 1.39
+    assert step_cost_for("auto", "auto", "chain:2", "cpu", sampling=True) == 1.53
+    with pytest.raises(CloverError, match=r"^tree auto: with these heads no chain is modelled to beat plain decoding "
+                                          r"on this cpu \(held-out tau 1.38, 1.49, 1.52, 1.54, 1.55\); decode without"):
+        resolve_tree("auto", "clover2", 5, weak, sampling=True)
 
 
 def test_step_cost_paces_the_chain_auto_picks_on_a_cpu():
