@@ -303,9 +303,9 @@ def resolve_tree(spec, method: str, num_heads: int, chain_tau=None, sampling: bo
     """The tree a user asked for, checked against the heads it will be drafted with.
 
     spec: None or "default" (the method's paper tree), "auto" (the paper tree on an accelerator, on a CPU
-    the chain `chain_tau` says is fastest when `sampling` or not: see `auto_tree`), a name from NAMED_TREES or "mc_sim_7b_63"
-    (both named trees are cut to num_heads), "chain:D", "full:WxD", "widths:W1,W2,...", a JSON list
-    of paths as a string, a JSON file path, a list of paths, a Tree, or a dynamic tree
+    the chain `chain_tau` says is fastest, `sampling` or not: see `auto_tree`), a name from NAMED_TREES
+    or "mc_sim_7b_63" (both named trees are cut to num_heads), "chain:D", "full:WxD", "widths:W1,W2,...",
+    a JSON list of paths as a string, a JSON file path, a list of paths, a Tree, or a dynamic tree
     "dynamic:N[,W]" / "eagle2:N[,W]" (a DynamicTree of depth num_heads).
     """
     paper = methods.get(method).tree  # what `mc_sim_7b_63` means: the tree the method's own code uses

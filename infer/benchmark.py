@@ -78,9 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft tree for every speculative method, or METHOD=SPEC for one; repeat it to measure "
                         "several trees in the same run. SPEC: auto (on a CPU a chain as deep as the heads' "
                         "held-out chain tau says is fastest, or plain decoding, tree 'plain', where no chain is "
-                        "modelled to pay; the method's paper tree elsewhere; as infer.generate picks), default (the method's paper "
-                        "tree), chain:K, widths:4,2,2, full:WxD, a named tree, a JSON file of paths, or a dynamic "
-                        "tree dynamic:N / eagle2:N (default: auto; each row names the tree it used)")
+                        "modelled to pay; the method's paper tree elsewhere; as infer.generate picks), default "
+                        "(the method's paper tree), chain:K, widths:4,2,2, full:WxD, a named tree, a JSON file of "
+                        "paths, or a dynamic tree dynamic:N / eagle2:N (default: auto; each row names the tree it "
+                        "used)")
     p.add_argument("--draft-vocab", default="auto", metavar="LIST",
                    help="comma-separated draft vocabularies to measure every speculative method with: N (the N "
                         "most frequent tokens of the heads' training data; when sampling, the N most probable "
@@ -186,7 +187,8 @@ def tree_used(spec: str | None, method: str, heads_dir: Path, sampling: bool = F
     return None if resolved == "default" else resolved
 
 
-def cost_used(value: str | None, spec: str | None, method: str, heads_dir: Path, sampling: bool = False) -> float | None:
+def cost_used(value: str | None, spec: str | None, method: str, heads_dir: Path,
+              sampling: bool = False) -> float | None:
     """The step cost a `--step-cost` value paces `method` by on tree `spec` (`tree.step_cost_for`, as
     infer.generate resolves it), before `tree_used` resolves `auto`."""
     if method == "plain":

@@ -103,7 +103,8 @@ def test_default_tree_is_auto_and_each_row_names_the_tree_it_used(tmp_path, caps
     assert "chain:5 paced 1.85 (6)" in table and "chain:5 (6)" in table
     # Sampling, the recorded heads' one draft (1.3 tokens) does not pay for its step (1.39): a plain row.
     assert benchmark.main(["--methods", "medusa", "--num-prompts", "1", "--batch-sizes", "1", "--max-new-tokens", "3",
-                           "--repeats", "1", "--temperatures", "1", "--heads-root", str(tmp_path), "--json", str(out)]) == 0
+                           "--repeats", "1", "--temperatures", "1", "--heads-root", str(tmp_path),
+                           "--json", str(out)]) == 0
     [row] = [r for r in json.loads(out.read_text())["results"] if r["method"] == "medusa"]
     assert (row["tree"], row["tree_nodes"], row["step_cost"], row["tau"]) == ("plain", 1, None, 1.0)
 
