@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from clover_jax import methods
+from clover_jax.tree import cpu_chain_cost
 from clover_jax.files import atomic_path, write_text
 
 
@@ -143,6 +144,9 @@ def summary(rows: list[Row], sizes: list[int], dtype: str, efficiency: dict | No
                    f"{e['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s -> {100 * e['fraction_of_bandwidth']:.0f}% "
                    f"of the limit ({e['limit_step_ms']:.2f} ms/step; median of the passes: "
                    + ", ".join(f"{100 * p['fraction_of_bandwidth']:.0f}%" for p in e["passes"]) + ")")
+    costs = chain_cost_note(rows)
+    if costs:
+        out.append("\n" + costs)
     for b in sizes:
         hf = {r.method: r for r in rows if r.batch_size == b and r.method.startswith("hf-")}
         if "hf-generate" in hf:
@@ -163,6 +167,26 @@ def summary(rows: list[Row], sizes: list[int], dtype: str, efficiency: dict | No
             out.append(f"  {op['us_per_step']:9.1f} us  {op['calls_per_step']:6.1f} calls  {op['op'][:40]:<40} "
                        f"{op['shape'][:24]:<24} {op['source'][-60:]}")
     return "\n".join(out)
+
+
+def chain_cost_note(rows: list[Row]) -> str:
+    """On a CPU, what each unpaced chain row's step cost in plain steps of the same batch size and
+    temperature, beside what `--tree auto` models it at (`tree.cpu_chain_cost`): the model was fitted on
+    one machine, and a step's cost differs from CPU to CPU; a measured figure can be given to --step-cost."""
+    if jax.default_backend() != "cpu":
+        return ""
+    plain = {(r.batch_size, r.temperature): r for r in rows if r.method == "plain"}
+    found = []
+    for r in rows:
+        kind, _, depth = r.tree.partition(":")
+        base = plain.get((r.batch_size, r.temperature))
+        if kind == "chain" and depth.isdigit() and base is not None and base.step_ms and r.step_ms:
+            found.append(f"{r.name} (batch {r.batch_size}) {r.step_ms / base.step_ms:.2f} "
+                         f"({cpu_chain_cost(int(depth), r.temperature > 0):.2f})")
+    if not found:
+        return ""
+    return ("a chain step on this CPU, in plain steps (what --tree auto models it at): " + ", ".join(found)
+            + "; --step-cost C paces by a measured cost")
 
 
 def _label_bars(ax, names: list[str], offset: float = 0.0) -> None:

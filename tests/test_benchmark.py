@@ -4,6 +4,7 @@ every mode (engine, transformers peer, --shape), its JSON has the documented fie
 import argparse
 import json
 import math
+import re
 import shutil
 
 import jax
@@ -101,6 +102,9 @@ def test_default_tree_is_auto_and_each_row_names_the_tree_it_used(tmp_path, caps
     assert 0 < paced["drafted"] <= 1  # the first step drafts (the running mean starts at what pays)
     table = capsys.readouterr().out
     assert "chain:5 paced 1.85 (6)" in table and "chain:5 (6)" in table
+    # The unpaced chain's measured step cost beside the modelled one; a paced row's mixes in plain steps.
+    costs = next(line for line in table.splitlines() if line.startswith("a chain step on this CPU, in plain steps"))
+    assert re.search(r": clover2 chain:5 \(batch 1\) \d+\.\d\d \(1\.85\); --step-cost C paces", costs), costs
     # Sampling, the recorded heads' one draft (1.3 tokens) does not pay for its step (1.39): a plain row.
     assert benchmark.main(["--methods", "medusa", "--num-prompts", "1", "--batch-sizes", "1", "--max-new-tokens", "3",
                            "--repeats", "1", "--temperatures", "1", "--heads-root", str(tmp_path),
