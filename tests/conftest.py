@@ -98,6 +98,18 @@ def build_hf_model(family: str, seed: int = 0) -> torch.nn.Module:
     return model
 
 
+# The files that take longest (each several minutes in CI), in that order, before the rest: xdist hands
+# each worker whole files (--dist loadfile) in collection order, and a long file started last, as these
+# were in alphabetical order, leaves the other core idle while it runs.
+LONGEST_FIRST = ("test_spec_sampling.py", "test_smollm2_heads.py", "test_train.py", "test_speculative.py",
+                 "test_benchmark.py", "test_notebooks.py", "test_sharding.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 def pytest_sessionfinish(session):
     """An xdist worker whose tests are done ignores SIGINT. execnet sends its worker a SIGINT when the
     worker's teardown outlasts a 5-second wait, and pytest's teardown (five gc passes, each running JAX's
