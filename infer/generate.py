@@ -104,8 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "accepted lately (a running mean) do not pay for C, take plain steps (no drafting), with a "
                         "speculative step after every 8 to see whether drafts pay again; the text is the same "
                         "(greedy) or keeps its distribution (sampling). auto: the CPU's measured cost of the chain "
-                        "--tree auto picks there (1.15 + 0.14 per draft, 0.10 more when sampling), no pacing on a GPU or TPU, where a tree "
-                        "step costs about one plain step, or for any other --tree; none: draft at every step "
+                        "--tree auto picks there (1.15 + 0.14 per draft, 0.10 more when sampling), no pacing on a "
+                        "GPU or TPU, where a tree step costs about one plain step, or for any other --tree; none: "
+                        "draft at every step "
                         "(default: %(default)s)")
     p.add_argument("--num-heads", type=int, metavar="K",
                    help="number of heads with --heads random (default: " + ", ".join(f"{m} {methods.get(m).depth}" for m in methods.HEADS) + ")")

@@ -13,8 +13,8 @@ import jax
 import numpy as np
 
 from clover_jax import methods
-from clover_jax.tree import cpu_chain_cost
 from clover_jax.files import atomic_path, write_text
+from clover_jax.tree import cpu_chain_cost
 
 
 @dataclasses.dataclass
