@@ -197,7 +197,7 @@ def make_generator(model: Llama, method: str, *, model_path, heads: str | None =
     picked = auto_tree(draft.num_heads, chain_tau=chain_tau, sampling=not greedy)
     if tree == "auto" and picked == PLAIN:  # no chain of these heads is modelled to pay here
         return Generator(model, max_len=max_len, mesh=mesh, buckets=buckets)
-    draft_tree = resolve_tree(tree, method, draft.num_heads, chain_tau, sampling=not greedy)
+    draft_tree = resolve_tree(picked if tree == "auto" else tree, method, draft.num_heads)
     cost = step_cost_for(step_cost, tree, picked, sampling=not greedy)
     return SpeculativeGenerator(model, draft, draft_tree, max_len=max_len, buckets=buckets, mesh=mesh,
                                 draft_vocab=load_draft_vocab(heads_dir, model, draft_vocab, greedy), step_cost=cost)
