@@ -28,7 +28,6 @@ from pathlib import Path
 from tqdm import tqdm
 
 from clover_jax import methods, sources
-from clover_jax.checkpoint import held_out_chain_tau, read_heads_config
 from clover_jax.config import ModelConfig
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import BUCKETS, Generator, GenerationOutput, bucket_for
@@ -36,12 +35,12 @@ from clover_jax.draft_vocab import parse_size
 from clover_jax.errors import CloverError
 from clover_jax.sampling import SamplingConfig
 from clover_jax.sharding import make_mesh
-from clover_jax.tree import PLAIN, auto_tree, step_cost_for
+from clover_jax.tree import PLAIN
 from clover_jax import cli
 from infer import report
 from infer.bandwidth import BandwidthProbe, plain_efficiency, plain_phases
 from clover_jax.conversation import answer_turns, record_turns
-from infer.generate import DTYPES, METHODS, make_generator
+from infer.generate import DTYPES, METHODS, drafting_plan, make_generator
 from infer.profiling import profile_folder, profile_ops
 from infer.report import Row, label
 from infer.tasks import first_of_each_task, per_task, task_speedups, tasks_of
@@ -161,7 +160,7 @@ def _numbers(text: str, flag: str, parse, what: str, example: str, least: float)
 def _configs(specs: list[str], methods: list[str]) -> list[tuple[str, str | None]]:
     """(method, tree spec) pairs to measure: plain once, each speculative method once per tree given for
     it (`SPEC` applies to every method, `METHOD=SPEC` to one; `default`: the method's paper tree, None
-    here; none given: `auto`, which `tree_used` resolves)."""
+    here; none given: `auto`, which `planned` resolves)."""
     trees: dict[str, list[str | None]] = {m: [] for m in methods if m != "plain"}
     for spec in specs:
         method, sep, tree = spec.partition("=")
@@ -175,26 +174,17 @@ def _configs(specs: list[str], methods: list[str]) -> list[tuple[str, str | None
     return [("plain", None)] + [(m, t) for m, ts in trees.items() for t in (list(dict.fromkeys(ts)) or ["auto"])]
 
 
-def tree_used(spec: str | None, method: str, heads_dir: Path, sampling: bool = False) -> str | None:
-    """The tree spec `auto` stands for with the heads in `heads_dir` on this backend when `sampling` or
-    not (`tree.auto_tree`, as infer.generate resolves it: `chain:D` on a CPU, D picked by the heads'
-    held-out chain tau, or PLAIN where no chain is modelled to pay; the paper tree, None, elsewhere), so
-    that each row names the tree it ran; any other spec as it is."""
-    if method == "plain" or spec != "auto":
-        return spec
-    resolved = auto_tree(read_heads_config(heads_dir)["heads"]["num_heads"], chain_tau=held_out_chain_tau(heads_dir),
-                         sampling=sampling)
-    return None if resolved == "default" else resolved
-
-
-def cost_used(value: str | None, spec: str | None, method: str, heads_dir: Path,
-              sampling: bool = False) -> float | None:
-    """The step cost a `--step-cost` value paces `method` by on tree `spec` (`tree.step_cost_for`, as
-    infer.generate resolves it), before `tree_used` resolves `auto`."""
+def planned(model, method: str, spec: str | None, value: str | None, heads_dir: Path, draft_vocab, sampling: bool,
+            model_path, mesh=None) -> tuple[str | None, float | None]:
+    """(the tree spec a row runs, PLAIN where `auto` decodes plain, None for the paper tree; its step
+    cost) for tree `spec` and `--step-cost` `value`, as infer.generate plans them
+    (`generate.drafting_plan`: on a CPU `auto` is a chain, its depth picked by the heads' held-out chain
+    tau and this machine's timed chain step cost), so that each row names the tree it ran."""
     if method == "plain":
-        return None
-    return step_cost_for(value, spec or "default", tree_used("auto", method, heads_dir, sampling) or "default",
-                         sampling=sampling)
+        return spec, None
+    tree, cost = drafting_plan(model, method, model_path=model_path, heads=str(heads_dir), tree=spec,
+                               draft_vocab=draft_vocab, greedy=not sampling, step_cost=value, mesh=mesh)
+    return (None if tree == "default" else tree), cost
 
 
 def paced(spec: str | None, cost: float | None) -> str:
@@ -390,9 +380,10 @@ def _benchmark(args: argparse.Namespace) -> int:
     heads_root = Path(args.heads_root) if args.heads_root else cli.heads_root(args.model, path)
     temps = _numbers(args.temperatures, "--temperatures", float, "numbers", "0,1", 0)
     # `auto` may stand for another tree (or none: PLAIN) when sampling, whose steps cost more.
-    at_temp = {t: list(dict.fromkeys((m, tree_used(spec, m, heads_root / m, t > 0), dv,
-                                      cost_used(sc, spec, m, heads_root / m, t > 0)) for m, spec, dv, sc in configs))
-               for t in temps}
+    at_temp = {}
+    for t in temps:
+        plans = [(m, *planned(model, m, spec, sc, heads_root / m, dv, t > 0, path, mesh), dv) for m, spec, dv, sc in configs]
+        at_temp[t] = list(dict.fromkeys((m, tree, dv, cost) for m, tree, cost, dv in plans))
 
     _check_outputs(args)
     tasks = tasks_of(records)

@@ -26,6 +26,7 @@ from clover_jax.model import Llama
 from clover_jax.sampling import SamplingConfig
 from clover_jax.sharding import describe_mesh
 from clover_jax.speculative import SpeculativeGenerator
+from clover_jax.step_cost import chain_cost
 from clover_jax.tree import PLAIN, auto_tree, resolve_tree, step_cost_for
 from clover_jax import cli
 from clover_jax.conversation import answer_turns, record_turns
@@ -89,9 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "a budget of N nodes: dynamic:N (Clover's sampler) or eagle2:N (EAGLE-2's rerank), ',W' "
                         "after N sets the beam width. auto: the paper tree on a GPU or TPU; on a CPU, where each "
                         "verified token costs compute, a chain as deep as the heads' held-out chain tau (in "
-                        "heads.json) says is fastest, or no drafting at all where no chain is modelled to beat "
-                        "plain decoding (a chain:1 step costs about 1.3 plain steps greedy, 1.4 sampling); "
-                        "through every head for heads without the record (default: %(default)s)")
+                        "heads.json) says is fastest for what a chain step costs on this machine (timed once and "
+                        "kept, see --step-cost), or no drafting at all where no chain beats plain decoding; through "
+                        "every head for heads without the record (default: %(default)s)")
     p.add_argument("--draft-vocab", default="auto", metavar="N",
                    help="tokens the heads draft from: the N most frequent in the heads' training data (counted "
                         "at export; when sampling, the N most probable under the base model there), which cuts "
@@ -103,11 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pace the drafting by what a speculative step costs, in plain steps: while the drafts "
                         "accepted lately (a running mean) do not pay for C, take plain steps (no drafting), with a "
                         "speculative step after every 8 to see whether drafts pay again; the text is the same "
-                        "(greedy) or keeps its distribution (sampling). auto: the CPU's measured cost of the chain "
-                        "--tree auto picks there (1.15 + 0.14 per draft, 0.10 more when sampling), no pacing on a "
-                        "GPU or TPU, where a tree step costs about one plain step, or for any other --tree; none: "
-                        "draft at every step "
-                        "(default: %(default)s)")
+                        "(greedy) or keeps its distribution (sampling). auto: on a CPU, what a step of the chain "
+                        "--tree auto picks costs there, timed on this machine the first time (a plain step and chain "
+                        "steps, greedy or sampling, about a minute) and kept in step-costs.json in the cache folder "
+                        "($CLOVER_JAX_STEP_COSTS: another file, or off for the fitted 1.15 + 0.14 per draft, 0.10 "
+                        "more when sampling); no pacing on a GPU or TPU, where a tree step costs about one plain "
+                        "step, or for any other --tree; none: draft at every step (default: %(default)s)")
     p.add_argument("--num-heads", type=int, metavar="K",
                    help="number of heads with --heads random (default: " + ", ".join(f"{m} {methods.get(m).depth}" for m in methods.HEADS) + ")")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
@@ -169,38 +171,60 @@ class StreamPrinter:
         self.shown = text
 
 
+def load_drafter(model: Llama, method: str, *, model_path, heads: str | None = None, num_heads: int | None = None,
+                 seed: int = 0):
+    """(the drafter, its heads directory): the heads in `heads` (a directory, "random" for untrained
+    ones, None for the ones shipped beside the model at `model_path`); no directory for random heads."""
+    if heads == "random":
+        return make_heads(HeadsConfig(method, num_heads or methods.get(method).depth), model, seed=seed), None
+    shipped = cli.heads_root(model_path, cli.model_dir(model_path)) / method
+    if heads is None and not shipped.is_dir():
+        raise CloverError(f"no {method} heads at {shipped}; pass --heads DIR, or --heads random for untrained heads")
+    heads_dir = heads or shipped
+    return load_heads(heads_dir, model, method), heads_dir
+
+
+def plan_tree(model: Llama, draft, heads_dir, vocab, *, tree: str | None, greedy: bool,
+              step_cost: str | float | None, mesh=None) -> tuple[str | None, float | None]:
+    """(the tree spec to draft, or PLAIN; the step cost to pace it by) for a `--tree` and a `--step-cost`
+    value: `auto` picks by the heads' held-out chain tau and, on a CPU, this machine's timed chain step
+    cost (`step_cost.chain_cost`, timed once and kept); any other tree is as given."""
+    sampling = not greedy
+    timed = chain_cost(model, draft, vocab, sampling, mesh) if tree == "auto" else None
+    picked = auto_tree(draft.num_heads, chain_tau=held_out_chain_tau(heads_dir), sampling=sampling, cost=timed)
+    spec = picked if tree == "auto" else tree
+    return spec, None if spec == PLAIN else step_cost_for(step_cost, tree, picked, sampling=sampling, cost=timed)
+
+
+def drafting_plan(model: Llama, method: str, *, model_path, heads: str | None = None, tree: str | None = None,
+                  num_heads: int | None = None, seed: int = 0, mesh=None, draft_vocab: str | int | None = "auto",
+                  greedy: bool = True, step_cost: str | float | None = "auto") -> tuple[str | None, float | None]:
+    """What `make_generator` drafts with these arguments: `plan_tree`'s (tree spec or PLAIN, step cost)."""
+    draft, heads_dir = load_drafter(model, method, model_path=model_path, heads=heads, num_heads=num_heads, seed=seed)
+    return plan_tree(model, draft, heads_dir, load_draft_vocab(heads_dir, model, draft_vocab, greedy), tree=tree,
+                     greedy=greedy, step_cost=step_cost, mesh=mesh)
+
+
 def make_generator(model: Llama, method: str, *, model_path, heads: str | None = None, tree: str | None = None,
                    num_heads: int | None = None, max_len: int | None = None, seed: int = 0,
                    mesh=None, draft_vocab: str | int | None = "auto", greedy: bool = True,
                    buckets=BUCKETS, step_cost: str | float | None = "auto") -> Generator:
-    """The generator for `method`: plain, or a speculative one with its heads (a directory, "random",
-    or None for the ones shipped beside the model), its tree (a spec; None for the method's default),
-    its draft vocabulary (a `--draft-vocab` value; `greedy` says which `auto` means) and its pacing (a
-    `--step-cost` value, `tree.step_cost_for`); `buckets` are the prompt lengths it pads to (`Generator`).
-    Tree `auto` with heads no chain of which is modelled to beat plain decoding here (`tree.auto_tree`)
-    gives a plain generator: drafting would only slow it."""
+    """The generator for `method`: plain, or a speculative one with its heads (`load_drafter`), its tree
+    (a spec; None for the method's default), its draft vocabulary (a `--draft-vocab` value; `greedy`
+    says which `auto` means) and its pacing (a `--step-cost` value), as `plan_tree` plans them;
+    `buckets` are the prompt lengths it pads to (`Generator`). Tree `auto` with heads no chain of which
+    pays here (PLAIN) gives a plain generator: drafting would only slow it."""
     if max_len is not None and max_len < 2:
         raise CloverError(f"--max-len {max_len} must be >= 2 (a prompt token plus a new one)")
     if method == "plain":
         return Generator(model, max_len=max_len, mesh=mesh, buckets=buckets)
-    if heads == "random":
-        draft = make_heads(HeadsConfig(method, num_heads or methods.get(method).depth), model, seed=seed)
-        heads_dir = None  # no token counts: auto drafts from the whole vocabulary
-    else:
-        shipped = cli.heads_root(model_path, cli.model_dir(model_path)) / method
-        if heads is None and not shipped.is_dir():
-            raise CloverError(f"no {method} heads at {shipped}; pass --heads DIR, or --heads random "
-                              "for untrained heads")
-        heads_dir = heads or shipped
-        draft = load_heads(heads_dir, model, method)
-    chain_tau = held_out_chain_tau(heads_dir)
-    picked = auto_tree(draft.num_heads, chain_tau=chain_tau, sampling=not greedy)
-    if tree == "auto" and picked == PLAIN:  # no chain of these heads is modelled to pay here
+    draft, heads_dir = load_drafter(model, method, model_path=model_path, heads=heads, num_heads=num_heads, seed=seed)
+    vocab = load_draft_vocab(heads_dir, model, draft_vocab, greedy)
+    spec, cost = plan_tree(model, draft, heads_dir, vocab, tree=tree, greedy=greedy, step_cost=step_cost, mesh=mesh)
+    if spec == PLAIN:
         return Generator(model, max_len=max_len, mesh=mesh, buckets=buckets)
-    draft_tree = resolve_tree(picked if tree == "auto" else tree, method, draft.num_heads)
-    cost = step_cost_for(step_cost, tree, picked, sampling=not greedy)
-    return SpeculativeGenerator(model, draft, draft_tree, max_len=max_len, buckets=buckets, mesh=mesh,
-                                draft_vocab=load_draft_vocab(heads_dir, model, draft_vocab, greedy), step_cost=cost)
+    return SpeculativeGenerator(model, draft, resolve_tree(spec, method, draft.num_heads), max_len=max_len,
+                                buckets=buckets, mesh=mesh, draft_vocab=vocab, step_cost=cost)
 
 
 class Tally:

@@ -14,7 +14,6 @@ import numpy as np
 
 from clover_jax import methods
 from clover_jax.files import atomic_path, write_text
-from clover_jax.tree import cpu_chain_cost
 
 
 @dataclasses.dataclass
@@ -170,23 +169,21 @@ def summary(rows: list[Row], sizes: list[int], dtype: str, efficiency: dict | No
 
 
 def chain_cost_note(rows: list[Row]) -> str:
-    """On a CPU, what each unpaced chain row's step cost in plain steps of the same batch size and
-    temperature, beside what `--tree auto` models it at (`tree.cpu_chain_cost`): the model was fitted on
-    one machine, and a step's cost differs from CPU to CPU; a measured figure can be given to --step-cost."""
+    """On a CPU, what each unpaced chain row's step cost in this run, in plain steps of the same batch
+    size and temperature: the figure that decides whether drafting pays here (`--tree auto` times its
+    own once per machine, `step_cost.chain_cost`)."""
     if jax.default_backend() != "cpu":
         return ""
     plain = {(r.batch_size, r.temperature): r for r in rows if r.method == "plain"}
     found = []
     for r in rows:
-        kind, _, depth = r.tree.partition(":")
         base = plain.get((r.batch_size, r.temperature))
-        if kind == "chain" and depth.isdigit() and base is not None and base.step_ms and r.step_ms:
-            found.append(f"{r.name} (batch {r.batch_size}) {r.step_ms / base.step_ms:.2f} "
-                         f"({cpu_chain_cost(int(depth), r.temperature > 0):.2f})")
+        if r.tree.startswith("chain:") and r.step_cost is None and base is not None and base.step_ms and r.step_ms:
+            found.append(f"{r.name} (batch {r.batch_size}, T={r.temperature:g}) {r.step_ms / base.step_ms:.2f}")
     if not found:
         return ""
-    return ("a chain step on this CPU, in plain steps (what --tree auto models it at): " + ", ".join(found)
-            + "; --step-cost C paces by a measured cost")
+    return ("a chain step in this run, in plain steps: " + ", ".join(found)
+            + " (--tree auto times its own once per machine: step-costs.json in the cache folder)")
 
 
 def _label_bars(ax, names: list[str], offset: float = 0.0) -> None:

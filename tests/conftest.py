@@ -37,6 +37,9 @@ from train import tokenizer as tokenizer_lib
 # The tools keep compiled programs in the user's cache folder by default (--compile-cache); the suite
 # writes none there: the test of the cache gives it a folder of its own.
 os.environ["CLOVER_JAX_COMPILE_CACHE"] = "off"
+# Nor does it time chain steps for `--tree auto` (step_cost.chain_cost) or keep them there: `auto` picks
+# by the fitted cost model, the same on every machine; the tests of the timing name a file of their own.
+os.environ["CLOVER_JAX_STEP_COSTS"] = "off"
 # Most of the suite's time is XLA compiling programs of a two-layer model that then run for
 # milliseconds, and LLVM's optimizing passes are much of that: the suite compiles without them (also in
 # the processes it starts; a Clover-2 test of 24 s took 16). Files whose time goes into running many

@@ -80,18 +80,19 @@ def test_default_tree_is_auto_and_each_row_names_the_tree_it_used(tmp_path, caps
     the row, the table and the JSON name it; `default` is the paper tree. --step-cost auto paces that
     chain by the CPU's cost of it, none not at all: a row each, both writing plain decoding's tokens."""
     assert benchmark._configs([], ["plain", "clover2"]) == [("plain", None), ("clover2", "auto")]
-    heads = cli.model_dir(None) / "heads" / "medusa"
-    assert benchmark.tree_used("auto", "medusa", heads) == "chain:4"
-    assert benchmark.tree_used("default", "medusa", heads) == "default"
+    path = cli.model_dir(None)
+    _, model = load_pretrained(path)
+    heads = path / "heads" / "medusa"
+    plan = lambda spec, heads_dir, sampling=False, cost="auto": benchmark.planned(
+        model, "medusa", spec, cost, heads_dir, "auto", sampling, path)
+    assert plan("auto", heads) == ("chain:4", 1.71) and plan(None, heads) == (None, None)
     recorded = tmp_path / "medusa"  # heads recording their held-out tau per depth: auto reads it
     shutil.copytree(heads, recorded)
     meta = json.loads((recorded / "heads.json").read_text())
     meta["held_out"]["val_chain_tau_by_depth"] = [1.3, 1.37, 1.38, 1.39]
     (recorded / "heads.json").write_text(json.dumps(meta))
-    assert benchmark.tree_used("auto", "medusa", recorded) == "chain:1"
-    assert benchmark.tree_used("auto", "medusa", recorded, sampling=True) == "plain"  # 1.3 < a 1.39 step
-    assert benchmark.cost_used("auto", "auto", "medusa", recorded, sampling=True) is None
-    assert benchmark.cost_used("auto", "auto", "medusa", recorded) == 1.29
+    assert plan("auto", recorded) == ("chain:1", 1.29) and plan("auto", recorded, cost="none") == ("chain:1", None)
+    assert plan("auto", recorded, sampling=True) == ("plain", None)  # 1.3 < a 1.39 step
     out = tmp_path / "bench.json"
     assert benchmark.main(["--methods", "plain,clover2", "--num-prompts", "1", "--batch-sizes", "1",
                            "--max-new-tokens", "3", "--repeats", "1", "--step-cost", "auto,none", "--json", str(out)]) == 0
@@ -102,9 +103,9 @@ def test_default_tree_is_auto_and_each_row_names_the_tree_it_used(tmp_path, caps
     assert 0 < paced["drafted"] <= 1  # the first step drafts (the running mean starts at what pays)
     table = capsys.readouterr().out
     assert "chain:5 paced 1.85 (6)" in table and "chain:5 (6)" in table
-    # The unpaced chain's measured step cost beside the modelled one; a paced row's mixes in plain steps.
-    costs = next(line for line in table.splitlines() if line.startswith("a chain step on this CPU, in plain steps"))
-    assert re.search(r": clover2 chain:5 \(batch 1\) \d+\.\d\d \(1\.85\); --step-cost C paces", costs), costs
+    # The unpaced chain's step cost in plain steps (a paced row's mixes in plain steps).
+    costs = next(line for line in table.splitlines() if line.startswith("a chain step in this run, in plain steps"))
+    assert re.search(r": clover2 chain:5 \(batch 1, T=0\) \d+\.\d\d \(--tree auto times its own", costs), costs
     # Sampling, the recorded heads' one draft (1.3 tokens) does not pay for its step (1.39): a plain row.
     assert benchmark.main(["--methods", "medusa", "--num-prompts", "1", "--batch-sizes", "1", "--max-new-tokens", "3",
                            "--repeats", "1", "--temperatures", "1", "--heads-root", str(tmp_path),

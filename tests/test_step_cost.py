@@ -1,0 +1,94 @@
+"""`--tree auto` on a CPU decides by a chain step's cost timed on this machine, once, and kept.
+
+Nothing here asserts a time: the timing is checked for what it records and where, and the decisions for
+following the figure kept (given here by a stand-in for the timing), whatever this machine's is."""
+
+import json
+
+import pytest
+
+from clover_jax import step_cost
+from clover_jax.checkpoint import CONFIG, save_heads
+from clover_jax.convert import load_pretrained
+from clover_jax.heads import HeadsConfig, make_heads
+from clover_jax.tree import CPU_CHAIN_COST, ChainCost
+from conftest import tiny_llama_checkpoint
+from infer import generate
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_llama_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return load_pretrained(model_dir)[1]
+
+
+def test_timed_once_kept_per_machine_model_drafter_and_sampling(model, tmp_path, monkeypatch):
+    """The first call times plain and chain steps (the two depths a drafter's heads span) and keeps the
+    figures under a key naming the machine, model, drafter, draft vocabulary and greedy or sampling; the
+    next call reads them without timing; sampling is timed apart (here with one head: one depth, and
+    the fitted model's increment per draft); "off" times nothing."""
+    kept = tmp_path / "costs" / "step-costs.json"
+    monkeypatch.setenv(step_cost.COSTS_ENV, str(kept))
+    monkeypatch.setattr(step_cost, "REPEATS", 1)
+    heads = make_heads(HeadsConfig("medusa", 3), model, seed=1)
+    cost = step_cost.chain_cost(model, heads, None, sampling=False)
+    [(key, entry)] = json.loads(kept.read_text()).items()
+    assert key == step_cost.entry_key(model, heads, None, False)
+    assert step_cost.machine() in key and "MedusaHeads 3 heads, drafting from all tokens | greedy" in key, key
+    assert set(entry["chain"]) == {"1", "3"} and entry["plain_ms"] > 0 and all(c > 0 for c in entry["chain"].values())
+    assert cost == ChainCost(entry["base"], entry["per_draft"]) and entry["per_draft"] >= 0
+    assert cost.at(1) == pytest.approx(entry["chain"]["1"], abs=1e-3)
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("timed again")
+
+    real = step_cost.measure
+    monkeypatch.setattr(step_cost, "measure", no_timing)
+    assert step_cost.chain_cost(model, heads, None, sampling=False) == cost
+    monkeypatch.setattr(step_cost, "measure", real)
+    step_cost.chain_cost(model, make_heads(HeadsConfig("medusa", 1), model), None, sampling=True)
+    entries = json.loads(kept.read_text())
+    assert sorted(k.rsplit(" | ", 1)[1] for k in entries) == ["greedy", "sampling"]
+    [one] = [e for k, e in entries.items() if "MedusaHeads 1 heads" in k]
+    assert set(one["chain"]) == {"1"} and one["per_draft"] == CPU_CHAIN_COST.per_draft
+    monkeypatch.setenv(step_cost.COSTS_ENV, "off")
+    assert step_cost.costs_path() is None and step_cost.chain_cost(model, heads, None, sampling=False) is None
+
+
+def test_a_broken_costs_file_is_timed_again_and_rewritten(model, tmp_path, monkeypatch):
+    kept = tmp_path / "step-costs.json"
+    kept.write_text("{not json")
+    monkeypatch.setenv(step_cost.COSTS_ENV, str(kept))
+    monkeypatch.setattr(step_cost, "measure", lambda *a, **k: {"plain_ms": 1.0, "chain": {"1": 1.2}, "base": 1.06,
+                                                               "per_draft": 0.14})
+    heads = make_heads(HeadsConfig("clover2", 1), model)
+    assert step_cost.chain_cost(model, heads, None, sampling=False) == ChainCost(1.06, 0.14)
+    assert list(json.loads(kept.read_text()).values()) == [{"plain_ms": 1.0, "chain": {"1": 1.2}, "base": 1.06,
+                                                            "per_draft": 0.14}]
+
+
+@pytest.mark.parametrize("base, expected", [(1.05, "tree=2 nodes, depth 1,"), (1.5, "plain decoding (tree auto:")])
+def test_generate_auto_follows_the_timed_cost(base, expected, model_dir, model, tmp_path, monkeypatch, capsys):
+    """Heads whose one draft brings 1.3 tokens a step: where this machine's chain:1 step costs 1.15
+    plain steps they draft, paced by it; where it costs 1.6, plain decoding (the fitted model, 1.29,
+    would draft in both)."""
+    heads = tmp_path / "heads"
+    save_heads(make_heads(HeadsConfig("medusa", 2), model, seed=1), model, heads)
+    meta = json.loads((heads / CONFIG).read_text())
+    meta["held_out"] = {"val_chain_tau_by_depth": [1.3, 1.33]}
+    (heads / CONFIG).write_text(json.dumps(meta))
+    monkeypatch.setenv(step_cost.COSTS_ENV, str(tmp_path / "step-costs.json"))
+    monkeypatch.setattr(step_cost, "measure", lambda *a, **k: {"plain_ms": 1.0, "chain": {}, "base": base,
+                                                               "per_draft": 0.1})
+    code = generate.main(["--model", str(model_dir), "--prompt", "def add(a, b):", "--max-new-tokens", "4",
+                          "--method", "medusa", "--heads", str(heads)])
+    err = capsys.readouterr().err
+    assert code == 0 and f"[medusa] {expected}" in err, err
+    assert "timing a plain step and chain steps on this CPU, once" in err
+    assert f"a chain:D step here costs {base:.2f} + 0.10 D plain steps" in err
+    if base < 1.3:
+        assert f"paced at {base + 0.1:g} plain steps" in err
