@@ -43,7 +43,7 @@ from clover_jax.tree import CPU_CHAIN_COST, ChainCost, chain
 COSTS_ENV = "CLOVER_JAX_STEP_COSTS"
 COSTS_FILE = "step-costs.json"
 # The timed runs: a prompt of PROMPT_LEN made-up tokens, then SHORT and LONG new tokens, REPEATS times.
-PROMPT_LEN, SHORT, LONG, REPEATS = 100, 8, 40, 3
+PROMPT_LEN, SHORT, LONG, REPEATS = 200, 8, 40, 3
 
 
 def costs_path() -> Path | None:
