@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "speculative step after every 8 to see whether drafts pay again; the text is the same "
                         "(greedy) or keeps its distribution (sampling). auto: on a CPU, what a step of the chain "
                         "--tree auto picks costs there, timed on this machine the first time (a plain step and chain "
-                        "steps, greedy or sampling, about a minute) and kept in step-costs.json in the cache folder "
+                        "steps, greedy or sampling: a minute or two for SmolLM2) and kept in step-costs.json in the cache folder "
                         "($CLOVER_JAX_STEP_COSTS: another file, or off for the fitted 1.15 + 0.14 per draft, 0.10 "
                         "more when sampling); no pacing on a GPU or TPU, where a tree step costs about one plain "
                         "step, or for any other --tree; none: draft at every step (default: %(default)s)")
