@@ -55,15 +55,20 @@ def costs_path() -> Path | None:
     return Path(named) if named else cache_root() / COSTS_FILE
 
 
-def machine() -> str:
-    """This host as far as a step's cost goes: CPU model, cores, JAX version."""
+def cpu_model() -> str:
+    """The CPU's model name (`platform.processor()` says only "x86_64" on Linux)."""
     name = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
     except OSError:
         pass
-    return f"{name}, {os.cpu_count()} cores, jax {jax.__version__}"
+    return name
+
+
+def machine() -> str:
+    """This host as far as a step's cost goes: CPU model, cores, JAX version."""
+    return f"{cpu_model()}, {os.cpu_count()} cores, jax {jax.__version__}"
 
 
 def entry_key(model: Llama, drafter: Drafter, vocab: DraftVocab | None, sampling: bool) -> str:

@@ -6,13 +6,12 @@ import dataclasses
 import datetime
 import json
 import os
-import platform
 from pathlib import Path
 
 import jax
 import numpy as np
 
-from clover_jax import methods
+from clover_jax import methods, step_cost
 from clover_jax.files import atomic_path, write_text
 
 
@@ -62,7 +61,7 @@ def label(method: str, tree: str | None, temperature: float = 0.0, draft_vocab: 
 def machine_info(bandwidth: float) -> dict:
     dev = jax.devices()[0]
     return dict(platform=dev.platform, device=dev.device_kind, devices=jax.device_count(),
-                cpu=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
+                cpu=step_cost.cpu_model(), cpu_count=os.cpu_count(),
                 jax=jax.__version__, bandwidth_bytes_per_s=bandwidth,
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
 
