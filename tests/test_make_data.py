@@ -138,6 +138,13 @@ def test_fixed_mode_stores_prompt_response_mask_and_hidden(fixed_dir, hf_tok, mo
                                                           "offsets.npy", "tokens.npy"]
 
 
+def test_a_short_last_batch_is_filled_to_the_next_power_of_two():
+    """The last batch of a turn holds its longest prompts, often one: filled to --batch-size, each filler
+    row would prefill and attend like a real one."""
+    assert [make_data.batch_fill(n, 8) for n in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert [make_data.batch_fill(n, 3) for n in range(1, 4)] == [1, 2, 3]
+
+
 def test_self_mode_responses_are_the_generators(self_dir, hf_tok, model):
     examples = _examples(self_dir)
     prompts = [hf_tok(r.get("prompt") or r["conversations"][1]["value"])["input_ids"] for r in RECORDS]
@@ -148,7 +155,8 @@ def test_self_mode_responses_are_the_generators(self_dir, hf_tok, model):
     assert order != list(range(len(prompts)))  # so the test sees the reordering
     replies = {}
     for k, rows in enumerate(cli.batches(order, 3)):
-        out = gen.generate([prompts[i] for i in rows], NEW, sampling=sampling, seed=5 + k, eos_ids=(0,), batch_size=3)
+        out = gen.generate([prompts[i] for i in rows], NEW, sampling=sampling, seed=5 + k, eos_ids=(0,),
+                           batch_size=make_data.batch_fill(len(rows), 3))
         replies.update(zip(rows, out.tokens))
     for (tokens, mask), p, r in zip(examples, prompts, [replies[i] for i in range(len(prompts))]):
         assert tokens == p + r
