@@ -44,6 +44,9 @@ COSTS_ENV = "CLOVER_JAX_STEP_COSTS"
 COSTS_FILE = "step-costs.json"
 # The timed runs: a prompt of PROMPT_LEN made-up tokens, then SHORT and LONG new tokens, REPEATS times.
 PROMPT_LEN, SHORT, LONG, REPEATS = 200, 8, 40, 3
+# A busy machine can make the long run no slower than the short one (a small model's steps take
+# microseconds): the median is taken again, up to ROUNDS times, until it is positive.
+ROUNDS = 3
 
 
 def costs_path() -> Path | None:
@@ -85,22 +88,29 @@ def seconds_per_step(generator: Generator, sampling: SamplingConfig) -> float:
     length = min(PROMPT_LEN, cfg.max_position_embeddings // 2)  # a small model's context may hold less
     budget = min(LONG, cfg.max_position_embeddings - length)
     prompt = [[(7 + 31 * i) % cfg.vocab_size for i in range(length)]]
-    times = []
-    for _ in range(REPEATS):
-        runs = [generator.generate(prompt, budget, sampling, eos_ids=(), budgets=[n]) for n in (SHORT, budget)]
-        short, long = runs
-        times.append((long.run_seconds - short.run_seconds) / max(long.steps - short.steps, 1))
-    return statistics.median(times)
+    for _ in range(ROUNDS):
+        times = []
+        for _ in range(REPEATS):
+            short, long = [generator.generate(prompt, budget, sampling, eos_ids=(), budgets=[n]) for n in (SHORT, budget)]
+            times.append((long.run_seconds - short.run_seconds) / max(long.steps - short.steps, 1))
+        if statistics.median(times) > 0:
+            break
+    return statistics.median(times)  # <= 0 after every round: the machine's noise outweighed the steps
 
 
-def measure(model: Llama, drafter: Drafter, vocab: DraftVocab | None, sampling: bool, mesh=None) -> dict:
+def measure(model: Llama, drafter: Drafter, vocab: DraftVocab | None, sampling: bool, mesh=None) -> dict | None:
     """Time plain steps and chain steps through the first head and through every head (one compile each):
-    their costs in plain steps and the `ChainCost` fit through them."""
+    their costs in plain steps and the `ChainCost` fit through them; None where a step's time did not
+    come out positive."""
     config = SamplingConfig(temperature=1.0 if sampling else 0.0)
     plain = seconds_per_step(Generator(model, mesh=mesh), config)
+    if plain <= 0:
+        return None
     depths = sorted({1, drafter.num_heads})
     steps = {d: seconds_per_step(SpeculativeGenerator(model, drafter, chain(d), draft_vocab=vocab, mesh=mesh),
                                  config) / plain for d in depths}
+    if min(steps.values()) <= 0:
+        return None
     first, last = depths[0], depths[-1]
     # Heads of one draft have one depth to time: the increment per draft is then the fitted model's.
     per_draft = max((steps[last] - steps[first]) / (last - first), 0.0) if last > first else CPU_CHAIN_COST.per_draft
@@ -112,7 +122,7 @@ def chain_cost(model: Llama, drafter: Drafter, vocab: DraftVocab | None, samplin
                mesh=None) -> ChainCost | None:
     """This machine's chain step cost for `drafter` on `model` (`vocab`, greedy or `sampling`), timed
     the first time and kept (`costs_path`); None on an accelerator (trees cost about one plain step
-    there) or where timing is off."""
+    there), where timing is off, or where it came out unusable (the fitted model decides then)."""
     path = costs_path()
     if path is None or jax.default_backend() != "cpu":
         return None
@@ -127,6 +137,10 @@ def chain_cost(model: Llama, drafter: Drafter, vocab: DraftVocab | None, samplin
     if not isinstance(entry, dict) or not {"base", "per_draft"} <= entry.keys():
         print(f"timing a plain step and chain steps on this CPU, once (kept in {path}) ...", file=sys.stderr, flush=True)
         entry = measure(model, drafter, vocab, sampling, mesh)
+        if entry is None:
+            print("the timing came out unusable (is the machine busy?): the fitted cost is used, and the step is "
+                  "timed again next time", file=sys.stderr, flush=True)
+            return None
         kept[key] = entry
         try:
             write_text(path, json.dumps(kept, indent=1) + "\n")

@@ -4,6 +4,7 @@ Nothing here asserts a time: the timing is checked for what it records and where
 following the figure kept (given here by a stand-in for the timing), whatever this machine's is."""
 
 import json
+import types
 
 import pytest
 
@@ -57,6 +58,32 @@ def test_timed_once_kept_per_machine_model_drafter_and_sampling(model, tmp_path,
     assert set(one["chain"]) == {"1"} and one["per_draft"] == CPU_CHAIN_COST.per_draft
     monkeypatch.setenv(step_cost.COSTS_ENV, "off")
     assert step_cost.costs_path() is None and step_cost.chain_cost(model, heads, None, sampling=False) is None
+
+
+def test_a_busy_machines_unusable_timing_is_taken_again_then_left_to_the_fitted_model(model, tmp_path, monkeypatch,
+                                                                                     capsys):
+    """A long run timed no slower than the short one gives a step of no time: the median is taken again
+    (`ROUNDS`); where it stays so, the fitted model decides and nothing is kept, so the next run times again."""
+    class Runs:  # a stand-in generator: the first round's long runs as fast as its short ones, then 1 ms a step
+        cfg = model.cfg
+
+        def __init__(self):
+            self.calls = 0
+
+        def generate(self, prompt, budget, sampling, eos_ids, budgets):
+            self.calls += 1
+            first_round = self.calls <= 2 * step_cost.REPEATS
+            steps = budgets[0]
+            return types.SimpleNamespace(steps=steps, run_seconds=0.5 if first_round else 1e-3 * steps)
+
+    runs = Runs()
+    assert step_cost.seconds_per_step(runs, None) == pytest.approx(1e-3) and runs.calls == 4 * step_cost.REPEATS
+    kept = tmp_path / "step-costs.json"
+    monkeypatch.setenv(step_cost.COSTS_ENV, str(kept))
+    monkeypatch.setattr(step_cost, "seconds_per_step", lambda generator, sampling: -1e-4)
+    heads = make_heads(HeadsConfig("clover2", 2), model)
+    assert step_cost.chain_cost(model, heads, None, sampling=False) is None and not kept.exists()
+    assert "the timing came out unusable (is the machine busy?)" in capsys.readouterr().err
 
 
 def test_a_broken_costs_file_is_timed_again_and_rewritten(model, tmp_path, monkeypatch):
