@@ -178,7 +178,7 @@ def batch_fill(rows: int, batch_size: int) -> int:
     rows cost no decoding step but are computed like real ones, prefill included: the last group of a
     turn holds its longest conversations, often one or two, and filled to 8 rows one 1,500-token prompt
     took 112 s for 64 tokens where alone it took 13 s (SmolLM2 on a 2-core CPU). Powers of two keep the
-    compiled programs to four batch sizes per bucket (kept between runs by the compile cache)."""
+    compiled programs to a few batch sizes per bucket (four at 8; kept between runs by the compile cache)."""
     return min(batch_size, 1 << (rows - 1).bit_length())
 
 
