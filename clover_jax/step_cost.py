@@ -93,9 +93,10 @@ def seconds_per_step(generator: Generator, sampling: SamplingConfig) -> float:
         for _ in range(REPEATS):
             short, long = [generator.generate(prompt, budget, sampling, eos_ids=(), budgets=[n]) for n in (SHORT, budget)]
             times.append((long.run_seconds - short.run_seconds) / max(long.steps - short.steps, 1))
-        if statistics.median(times) > 0:
+        step = statistics.median(times)
+        if step > 0:
             break
-    return statistics.median(times)  # <= 0 after every round: the machine's noise outweighed the steps
+    return step  # <= 0 after every round: the machine's noise outweighed the steps
 
 
 def measure(model: Llama, drafter: Drafter, vocab: DraftVocab | None, sampling: bool, mesh=None) -> dict | None:
