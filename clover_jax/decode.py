@@ -77,7 +77,7 @@ def prefill(model: Llama, prompts: jax.Array, prompt_lens: jax.Array, cache_len:
     cache = constrain_cache(model.init_cache(b, cache_len), mesh)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     out = model(prompts, positions, causal_mask(cache.lengths, p, cache_len), cache, with_logits=False,
-                feature_layers=feature_layers)
+                feature_layers=feature_layers, causal=True)
     last = (prompt_lens - 1)[:, None, None]
     normed_last = jnp.take_along_axis(out.hidden_normed, last, axis=1)[:, 0]
     return out.replace(cache=out.cache.advance(prompt_lens)), model.logits(normed_last)

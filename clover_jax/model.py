@@ -57,16 +57,19 @@ class Llama(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, mask: jax.Array,
                  cache: KVCache | None = None, with_logits: bool = True,
-                 feature_layers: tuple[int, ...] = ()) -> ModelOutput:
+                 feature_layers: tuple[int, ...] = (), causal: bool = False) -> ModelOutput:
         """tokens, positions [B, T]; mask [B, T, S] over cache slots (or [B, T, T] without a cache).
         `with_logits=False` skips the [B, T, V] projection when only a few positions need it.
         `feature_layers` (static; Python indices, -1 the last layer): the decoder layers whose outputs
-        come back as `features`, from this same pass (EAGLE-3 fuses a low, a middle and a high one)."""
+        come back as `features`, from this same pass (EAGLE-3 fuses a low, a middle and a high one).
+        `causal` (static): no token reads a later one, whatever the mask says, so that a long forward
+        attends in query blocks, each over the keys up to its last token (a prompt's prefill; a forward
+        without a cache). Not for a forward that reads committed cache slots."""
         wanted = [i % len(self.layers) for i in feature_layers]
         x = self.embed_tokens(tokens, self.dtype)
         kept = {}
         for i, layer in enumerate(self.layers):
-            x, cache = layer(x, positions, mask, cache, i)
+            x, cache = layer(x, positions, mask, cache, i, causal)
             if i in wanted:
                 kept[i] = x
         normed = self.norm(x)

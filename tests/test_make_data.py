@@ -145,10 +145,17 @@ def test_a_short_last_batch_is_filled_to_the_next_power_of_two():
     assert [make_data.batch_fill(n, 3) for n in range(1, 4)] == [1, 2, 3]
 
 
+def test_long_examples_are_padded_to_the_next_256_tokens():
+    """Powers of two up to 256 tokens, then steps of 256: a 1,100-token batch runs as 1,280, not 2,048."""
+    assert make_data.data_buckets(2048) == (32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048)
+    assert make_data.data_buckets(300) == (32, 64, 128, 256, 300)
+    assert make_data.data_buckets(24) == (24,)
+
+
 def test_self_mode_responses_are_the_generators(self_dir, hf_tok, model):
     examples = _examples(self_dir)
     prompts = [hf_tok(r.get("prompt") or r["conversations"][1]["value"])["input_ids"] for r in RECORDS]
-    gen = Generator(model)
+    gen = Generator(model, buckets=make_data.data_buckets(64))  # as make_data batches at --max-len 64
     sampling = SamplingConfig(temperature=0.8)
     # Batched shortest first (batch k with seed 5 + k), each answer back in its record's place.
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))

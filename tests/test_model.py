@@ -11,6 +11,7 @@ import pytest
 import torch
 from flax import nnx
 
+from clover_jax import layers
 from clover_jax.cache import causal_mask, tree_mask
 from clover_jax.config import ModelConfig, rope_inv_freq
 from clover_jax.model import Llama, causal_self_mask, low_mid_high
@@ -49,6 +50,48 @@ def test_prefill_logits_match_hf(loaded, family):
     cache = model.init_cache(2, 16)
     cached = forward(model, jnp.asarray(tokens), positions(2, 12), causal_mask(cache.lengths, 12, 16), cache)
     assert max_diff(cached.logits, want) <= TOL
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6))
+def _forward_causal(graphdef, state, tokens, pos, mask, cache, causal):
+    return nnx.merge(graphdef, state)(tokens, pos, mask, cache, causal=causal)
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES[:1])
+def test_a_long_causal_forward_attends_in_blocks_and_matches_hf(loaded, family):
+    """Past two QUERY_BLOCKs a causal forward (a prefill) attends in query blocks, each over the keys up
+    to its last token: HF's logits, without a cache and through a fresh cache longer than the prompt
+    (the prompt right-padded, as the decoder pads it: the padding changes no real position)."""
+    hf, _, _, model = loaded(family)
+    t = 2 * layers.QUERY_BLOCK + 37
+    assert len(layers.query_blocks(t)) == 2
+    tokens = random_tokens(1, t, seed=5)
+    want = hf_logits(hf, tokens)
+    graphdef, state = nnx.split(model)
+    free = _forward_causal(graphdef, state, jnp.asarray(tokens), positions(1, t), causal_self_mask(1, t), None, True)
+    assert max_diff(free.logits, want) <= TOL
+    padded = np.concatenate([tokens, random_tokens(1, 11, seed=6)], 1)  # 11 padding tokens after the prompt
+    cache = model.init_cache(1, t + 11 + 5)
+    cached = _forward_causal(graphdef, state, jnp.asarray(padded), positions(1, t + 11),
+                             causal_mask(cache.lengths, t + 11, t + 16), cache, True)
+    assert max_diff(cached.logits[:, :t], want) <= TOL
+
+
+def test_causal_attention_in_blocks_reads_no_later_token_whatever_the_mask():
+    """`attend(..., causal=True)`: the mask's own restrictions hold inside each block, and a later
+    token is never read even where the mask allows it."""
+    b, t, n, kv, h = 2, layers.QUERY_BLOCK * 3 + 5, 4, 2, 8
+    assert [e - s for s, e in layers.query_blocks(t)] == [layers.QUERY_BLOCK + 1, layers.QUERY_BLOCK + 2,
+                                                            layers.QUERY_BLOCK + 2]
+    r = np.random.default_rng(0)
+    q = jnp.asarray(r.standard_normal((b, t, n, h)), jnp.float32)
+    k, v = (jnp.asarray(r.standard_normal((b, kv, t, h)), jnp.float32) for _ in range(2))
+    mask = r.random((b, t, t)) < 0.5
+    mask[:, np.arange(t), np.arange(t)] = True  # each token reads itself, as every real mask has it
+    run = jax.jit(layers.attend, static_argnames="causal")
+    got = run(q, k, v, jnp.asarray(mask), causal=True)
+    want = run(q, k, v, jnp.asarray(mask & np.tril(np.ones((t, t), bool))), causal=False)
+    assert max_diff(got, want) <= 1e-5
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES[:1])

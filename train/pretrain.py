@@ -63,7 +63,7 @@ def loss_fn(model: Llama, windows: jax.Array) -> jax.Array:
     inputs, targets = windows[:, :-1], windows[:, 1:]
     b, t = inputs.shape
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    logits = model(inputs, positions, causal_self_mask(b, t)).logits
+    logits = model(inputs, positions, causal_self_mask(b, t), causal=True).logits
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 

@@ -55,7 +55,8 @@ def base_states(base: Llama, tokens: jax.Array, hidden: jax.Array | None, featur
     if hidden is None or (feature_layers and features is None):
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        out = base(tokens, positions, causal_self_mask(b, t), with_logits=False, feature_layers=feature_layers)
+        out = base(tokens, positions, causal_self_mask(b, t), with_logits=False, feature_layers=feature_layers,
+                   causal=True)
         hidden, features = out.hidden, out.features
     features = None if features is None else jax.lax.stop_gradient(features.astype(base.dtype))
     hidden = jax.lax.stop_gradient(hidden.astype(base.dtype))
