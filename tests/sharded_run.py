@@ -1,7 +1,7 @@
 """Run by tests/test_sharding.py in a fresh process with 8 virtual CPU devices (XLA_FLAGS must be set
 before JAX starts): greedy plain and speculative generation and a single prompt filled to the data axis
 on each mesh named; on one device and on the meshes named with `:all` also with a draft vocabulary,
-streamed, and with EAGLE-3's draft model on an eagle2 tree; meshes over fewer devices or with a -1 axis.
+streamed, with EAGLE-3's draft model on an eagle2 tree, and a prompt prefilled in query blocks; meshes over fewer devices or with a -1 axis.
 Printed as JSON."""
 
 import json
@@ -19,7 +19,7 @@ from clover_jax.sharding import describe_mesh, make_mesh
 from clover_jax.speculative import SpeculativeGenerator
 from clover_jax.tree import resolve_tree
 
-CFG = ModelConfig.tiny(num_heads=8, num_kv_heads=8, head_dim=4, vocab_size=64)
+CFG = ModelConfig.tiny(num_heads=8, num_kv_heads=8, head_dim=4, vocab_size=64, max_position_embeddings=2048)
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14], [15], [16, 17], [18, 19, 20], [21, 22]]
 
 
@@ -52,8 +52,11 @@ def run(mesh_spec, everything: bool):
         PROMPTS, 8, eos_ids=())
     shown = []  # streaming: the tokens the host was handed after each step
     spec_gen.generate(PROMPTS, 8, eos_ids=(), on_tokens=lambda t, n: shown.append([t[i, :k].tolist() for i, k in enumerate(n)]))
+    # a prompt long enough that its prefill attends in query blocks (layers.query_blocks)
+    long = Generator(base, mesh=mesh, buckets=(1030,)).generate([[3 + i % 60 for i in range(1030)], [5, 6]], 4,
+                                                               eos_ids=()).tokens
     result |= {"streamed": shown[-1], "draft_vocab": vocab_gen.generate(PROMPTS, 8, eos_ids=()).tokens,
-               "eagle3": eagle_out.tokens}
+               "eagle3": eagle_out.tokens, "long_prompt": long}
     if mesh is not None:
         result |= {"draft_vocab_rows": str(vocab_gen.draft_vocab.rows.sharding.spec),
                    "eagle3_cache": str(eagle_out.state.draft.cache.k[0].sharding.spec),

@@ -48,6 +48,7 @@ def test_sharded_generation_matches_one_device(sharded_results, mesh):
         assert sharded["draft_vocab"] == one["draft_vocab"] == one["plain"]
         assert sharded["streamed"] == one["streamed"] == one["plain"]  # the last step's tokens, handed to the host
         assert sharded["eagle3"] == one["eagle3"] == one["plain"]  # a draft model with its own cache
+        assert sharded["long_prompt"] == one["long_prompt"]  # its prefill in query blocks
 
 
 def test_params_and_caches_really_are_sharded(sharded_results):
