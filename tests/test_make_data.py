@@ -438,7 +438,8 @@ def test_damaged_dataset_is_refused(case, fixed_dir, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["empty file", "no response", "prompt too long", "max-len over context",
-                                  "ids over vocab", "foreign out", "out is a file"])
+                                  "ids over vocab", "foreign out", "out is a file",
+                                  "no chunks at once"])
 def test_bad_input_is_one_error_line(case, model_dir, prompts_file, hf_tok, tmp_path, capsys):
     out = tmp_path / "out"
     args = ["--base", model_dir, "--out", out]
@@ -460,6 +461,8 @@ def test_bad_input_is_one_error_line(case, model_dir, prompts_file, hf_tok, tmp_
             (small / name).write_bytes((model_dir / name).read_bytes())
         save_tiny_llama(small, 258)  # the tokenizer's merges have ids >= 258
         argv, needle = ["--base", small, "--out", out, "--prompts", prompts_file], "outside the model's vocabulary"
+    elif case == "no chunks at once":
+        argv, needle = args + ["--prompts", prompts_file, "--chunks-at-once", 0], "--chunks-at-once 0 must be >= 1"
     elif case == "foreign out":
         out.mkdir()
         (out / "notes.txt").write_text("mine")
@@ -564,7 +567,7 @@ def test_help_describes_every_flag(capsys):
 def test_answers_are_kept_per_chunk_and_a_rerun_resumes(model_dir, prompts_file, tmp_path, capsys):
     """--answers: each chunk's examples land in a shard as it finishes; a rerun answers only the chunks
     whose shard is missing (as after a kill) and makes the same dataset; greedy, it is the dataset a run
-    without --answers makes."""
+    without --answers makes, with chunks answered one or three at a time."""
     common = ["--base", model_dir, "--prompts", prompts_file, f"--max-new-tokens={NEW}", "--batch-size=2", "--chat"]
     assert run(capsys, *common, "--out", tmp_path / "plain")[0] == 0
     answers = tmp_path / "answers"
@@ -580,6 +583,14 @@ def test_answers_are_kept_per_chunk_and_a_rerun_resumes(model_dir, prompts_file,
     code, _, err = run(capsys, *common, "--out", tmp_path / "d3", "--answers", answers, "--chunk=3",
                        "--temperature=0.5")
     assert code == 2 and "made with temperature=0.0, this run asks temperature=0.5" in err
+    # Chunks answered three at a time: one shard each, the same greedy answers.
+    together = tmp_path / "together"
+    code, _, err = run(capsys, *common, "--out", tmp_path / "d5", "--answers", together, "--chunk=1",
+                       "--chunks-at-once=3")
+    assert code == 0 and "chunk 1-3/4: records 0..0, 1..1, 2..2" in err and "chunk 4/4: records 3..3" in err
+    assert sorted(p.name for p in together.iterdir()) == [f"answers-00000{i}.jsonl.gz" for i in range(4)] + [
+        "answers.json"]
+    assert _examples(tmp_path / "d5") == _examples(tmp_path / "plain")
     (answers / "answers-000000.jsonl.gz").write_bytes(b"\x1f\x8b damaged")
     code, _, err = run(capsys, *common, "--out", tmp_path / "d4", "--answers", answers, "--chunk=3")
     assert code == 2 and "a damaged answer shard" in err and err.count("\n") == 1

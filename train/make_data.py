@@ -125,10 +125,13 @@ def answer_settings(args, model: Llama, max_len: int, all_turns: bool) -> dict:
 
 
 def distill_in_chunks(store: AnswerStore, records: list[tuple[int, Record]], firsts: list[tuple[list[int], list[int]]],
-                      systems: list[str | None], distill) -> list[tuple[list[int], list[int]]]:
+                      systems: list[str | None], distill, at_once: int = 1) -> list[tuple[list[int], list[int]]]:
     """Self mode through an `AnswerStore`: the records (by their index in the file) in chunks of
-    `store.chunk`, each chunk answered unless its shard is there already, then saved. Chunk c's batches
-    take seeds from seed + c * chunk on, so a chunk's answers do not depend on which ran before it."""
+    `store.chunk`, each chunk answered unless its shard is there already, then saved. `at_once` chunks
+    are answered together, their shards saved when all are done: few conversations reach a later turn,
+    and one chunk's alone would be answered in batches of one or two. A group's batches take seeds from
+    seed + c * chunk on, c its first chunk, so a chunk's answers do not depend on which ran before it
+    (sampled ones do depend on `at_once`; greedy ones only through float rounding at near ties)."""
     by_chunk: dict[int, list[int]] = {}
     for k, (index, _) in enumerate(records):
         by_chunk.setdefault(index // store.chunk * store.chunk, []).append(k)
@@ -138,13 +141,17 @@ def distill_in_chunks(store: AnswerStore, records: list[tuple[int, Record]], fir
     if len(todo) < len(by_chunk):
         print(f"--answers {store.folder}: {len(by_chunk) - len(todo)} of {len(by_chunk)} chunks answered already",
               file=sys.stderr)
-    for n, start in enumerate(todo):
-        ks = by_chunk[start]
-        print(f"chunk {n + 1}/{len(todo)}: records {start}..{start + store.chunk - 1}", file=sys.stderr, flush=True)
-        answered = distill([records[k][1] for k in ks], [firsts[k][0] for k in ks], systems=[systems[k] for k in ks],
-                           seed=store.settings["seed"] + start)
-        done[start] = {records[k][0]: example for k, example in zip(ks, answered)}
-        store.save(start, done[start])
+    for n in range(0, len(todo), at_once):
+        group = todo[n:n + at_once]
+        ks = [k for start in group for k in by_chunk[start]]
+        named = ", ".join(f"{start}..{start + store.chunk - 1}" for start in group)
+        print(f"chunk {n + 1}{'' if len(group) == 1 else f'-{n + len(group)}'}/{len(todo)}: records {named}",
+              file=sys.stderr, flush=True)
+        answered = dict(zip(ks, distill([records[k][1] for k in ks], [firsts[k][0] for k in ks],
+                                        systems=[systems[k] for k in ks], seed=store.settings["seed"] + group[0])))
+        for start in group:
+            done[start] = {records[k][0]: answered[k] for k in by_chunk[start]}
+            store.save(start, done[start])
     return [done[index // store.chunk * store.chunk][index] for index, _ in records]
 
 
@@ -398,6 +405,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "stopped (the settings must match; the shards are small enough to commit)")
     p.add_argument("--chunk", type=int, default=64, metavar="N",
                    help="with --answers: records per shard (default: %(default)s)")
+    p.add_argument("--chunks-at-once", type=int, default=1, metavar="N",
+                   help="with --answers: answer N chunks together, so that the later turns, which few "
+                        "conversations reach, fill fuller batches; their shards are saved when all N are done, "
+                        "so a killed run loses up to N chunks' work. Greedy answers are the model's greedy "
+                        "answers whatever N; sampled ones differ with N (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, metavar="S",
                    help="self mode: sampling seed; generation batch k uses S+k (default: %(default)s)")
     p.add_argument("--mesh", metavar="SPEC",
@@ -409,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def make_data(args: argparse.Namespace) -> int:
     cli.use_compile_cache(args.compile_cache)
-    for name in ("max_new_tokens", "batch_size"):
+    for name in ("max_new_tokens", "batch_size", "chunks_at_once"):
         if getattr(args, name) < 1:
             raise CloverError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
     if args.limit is not None and args.limit < 1:
@@ -465,7 +477,8 @@ def make_data(args: argparse.Namespace) -> int:
                                     args=args, sampling=sampling)
         if args.answers:
             settings = answer_settings(args, model, max_len, all_turns)
-            examples = distill_in_chunks(AnswerStore(args.answers, settings), records, examples, systems, distill)
+            examples = distill_in_chunks(AnswerStore(args.answers, settings), records, examples, systems, distill,
+                                         args.chunks_at_once)
         else:
             examples = distill([r for _, r in records], [ids for ids, _ in examples], systems=systems, seed=args.seed)
     examples = [(ids[:max_len], mask[:max_len]) for ids, mask in examples]  # a fixed response is cut to fit
