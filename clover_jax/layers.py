@@ -179,6 +179,11 @@ def query_blocks(t: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
+def _attend_fresh(qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Softmax attention of grouped queries qg [B, K, T*G, H] over keys/values [B, K, S, H] under mask [B, T, S]."""
+    return product("bkqs,bksh->bkqh", jax.nn.softmax(_scores(qg, k, mask), axis=-1).astype(qg.dtype), v)
+
+
 def _attend_causal(qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """Softmax attention of grouped queries qg [B, K, T*G, H] over their own keys/values [B, K, T, H]
     under mask [B, T, T] and causality: a block of queries reads only the keys up to its last token.
@@ -192,9 +197,7 @@ def _attend_causal(qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -
     outs = []
     for s, e in query_blocks(t):
         block = q5[:, :, s:e].reshape(b, kv, (e - s) * g, h)
-        scores = _scores(block, k[:, :, :e], mask[:, s:e, :e])
-        outs.append(product("bkqs,bksh->bkqh", jax.nn.softmax(scores, axis=-1).astype(qg.dtype), v[:, :, :e])
-                    .reshape(b, kv, e - s, g, h))
+        outs.append(_attend_fresh(block, k[:, :, :e], v[:, :, :e], mask[:, s:e, :e]).reshape(b, kv, e - s, g, h))
     return (outs[0] if len(outs) == 1 else jnp.concatenate(outs, 2)).reshape(b, kv, tg, h)
 
 
@@ -223,7 +226,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, cache: KVC
     if causal:
         out = _attend_causal(qg, k, v, among_new & jnp.tril(jnp.ones((t, t), bool)))
     elif fresh:
-        out = product("bkqs,bksh->bkqh", jax.nn.softmax(_scores(qg, k, among_new), axis=-1).astype(q.dtype), v)
+        out = _attend_fresh(qg, k, v, among_new)
     else:
         # One softmax over the committed slots and the new tokens, taken in two parts.
         cache_k, cache_v = cache.layer(layer)
