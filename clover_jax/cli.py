@@ -325,6 +325,17 @@ def batches(items: Sequence, size: int) -> list[Sequence]:
 COMPILE_CACHE_ENV = "CLOVER_JAX_COMPILE_CACHE"
 
 
+def numbers(text: str, flag: str, parse, what: str, example: str, least: float) -> list:
+    """Comma-separated numbers of a flag, each >= least, or one error line naming the flag."""
+    try:
+        values = [parse(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise CloverError(f"{flag} {text!r}: expected comma-separated {what} such as {example}") from None
+    if not values or any(not v >= least for v in values):
+        raise CloverError(f"{flag} {text!r}: give one or more {what} >= {least:g}")
+    return values
+
+
 def default_compile_cache() -> str:
     """$CLOVER_JAX_COMPILE_CACHE, else clover-jax/xla under the user's cache folder ($XDG_CACHE_HOME or ~/.cache)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

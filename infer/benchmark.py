@@ -146,17 +146,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _numbers(text: str, flag: str, parse, what: str, example: str, least: float) -> list:
-    """Comma-separated numbers of a flag, each >= least, or one error line naming the flag."""
-    try:
-        values = [parse(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise CloverError(f"{flag} {text!r}: expected comma-separated {what} such as {example}") from None
-    if not values or any(not v >= least for v in values):
-        raise CloverError(f"{flag} {text!r}: give one or more {what} >= {least:g}")
-    return values
-
-
 def _configs(specs: list[str], methods: list[str]) -> list[tuple[str, str | None]]:
     """(method, tree spec) pairs to measure: plain once, each speculative method once per tree given for
     it (`SPEC` applies to every method, `METHOD=SPEC` to one; `default`: the method's paper tree, None
@@ -350,8 +339,8 @@ def _benchmark(args: argparse.Namespace) -> int:
     if unknown:
         raise CloverError(f"--methods: unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
     methods = ["plain"] + [m for m in dict.fromkeys(methods) if m != "plain"]
-    sizes = _numbers(args.batch_sizes, "--batch-sizes", int, "integers", "1,8", 1)
-    buckets = sorted(set(_numbers(args.buckets, "--buckets", int, "integers", "1024", 1))) if args.buckets else BUCKETS
+    sizes = cli.numbers(args.batch_sizes, "--batch-sizes", int, "integers", "1,8", 1)
+    buckets = sorted(set(cli.numbers(args.buckets, "--buckets", int, "integers", "1024", 1))) if args.buckets else BUCKETS
     for flag, value in (("--num-prompts", args.num_prompts), ("--per-task", 1 if args.per_task is None else args.per_task),
                         ("--max-new-tokens", args.max_new_tokens),
                         ("--repeats", args.repeats)):
@@ -378,7 +367,7 @@ def _benchmark(args: argparse.Namespace) -> int:
     mesh = make_mesh(args.mesh) if args.mesh else None
     _, model = load_pretrained(path, dtype=DTYPES[args.dtype], mesh=mesh)
     heads_root = Path(args.heads_root) if args.heads_root else cli.heads_root(args.model, path)
-    temps = _numbers(args.temperatures, "--temperatures", float, "numbers", "0,1", 0)
+    temps = cli.numbers(args.temperatures, "--temperatures", float, "numbers", "0,1", 0)
     # `auto` may stand for another tree (or none: PLAIN) when sampling, whose steps cost more.
     at_temp = {}
     for t in temps:

@@ -152,6 +152,32 @@ def test_long_examples_are_padded_to_the_next_256_tokens():
     assert make_data.data_buckets(24) == (24,)
 
 
+def test_buckets_pad_every_batch_to_the_lengths_given(model_dir, prompts_file, fixed_dir, hf_tok, model,
+                                                     tmp_path, capsys, monkeypatch):
+    """--buckets: each batch padded up to the smallest given length that holds it, --max-len the last
+    (fewer programs to compile on an accelerator); the hidden states at the real positions are the
+    default buckets' (right padding changes nothing there)."""
+    assert make_data.data_buckets(24, [16, 8, 64, 16]) == (8, 16, 24)
+    assert make_data.data_buckets(300, [512]) == (300,)
+    real, lengths = make_data._last_hidden, []
+
+    def seen(graphdef, params, batch, **k):
+        lengths.append(batch.shape[1])
+        return real(graphdef, params, batch, **k)
+
+    monkeypatch.setattr(make_data, "_last_hidden", seen)
+    out = tmp_path / "d"
+    code, _, _ = run(capsys, "--base", model_dir, "--prompts", prompts_file, "--out", out, "--mode", "fixed",
+                     "--max-len", "24", "--batch-size", "1", "--store-hidden", "float16", "--buckets", "8,16")
+    assert code == 0
+    examples = _examples(out)
+    assert examples == _examples(fixed_dir)
+    assert lengths == [next(b for b in (8, 16, 24) if b >= len(t)) for t, _ in sorted(examples, key=lambda e: len(e[0]))]
+    assert set(lengths) != {24} and 24 in lengths  # short batches took the short programs, the long one --max-len
+    _assert_hidden(out, model, examples, np.float16, 2e-3)
+    assert json.loads((out / "meta.json").read_text())["buckets"] == [8, 16, 24]
+
+
 def test_self_mode_responses_are_the_generators(self_dir, hf_tok, model):
     examples = _examples(self_dir)
     prompts = [hf_tok(r.get("prompt") or r["conversations"][1]["value"])["input_ids"] for r in RECORDS]
@@ -439,7 +465,7 @@ def test_damaged_dataset_is_refused(case, fixed_dir, tmp_path):
 
 @pytest.mark.parametrize("case", ["empty file", "no response", "prompt too long", "max-len over context",
                                   "ids over vocab", "foreign out", "out is a file",
-                                  "no chunks at once"])
+                                  "no chunks at once", "bad buckets"])
 def test_bad_input_is_one_error_line(case, model_dir, prompts_file, hf_tok, tmp_path, capsys):
     out = tmp_path / "out"
     args = ["--base", model_dir, "--out", out]
@@ -463,6 +489,8 @@ def test_bad_input_is_one_error_line(case, model_dir, prompts_file, hf_tok, tmp_
         argv, needle = ["--base", small, "--out", out, "--prompts", prompts_file], "outside the model's vocabulary"
     elif case == "no chunks at once":
         argv, needle = args + ["--prompts", prompts_file, "--chunks-at-once", 0], "--chunks-at-once 0 must be >= 1"
+    elif case == "bad buckets":
+        argv, needle = args + ["--prompts", prompts_file, "--buckets", "512,0"], "--buckets '512,0': give one or more"
     elif case == "foreign out":
         out.mkdir()
         (out / "notes.txt").write_text("mine")

@@ -47,7 +47,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -244,12 +244,16 @@ def _last_hidden(graphdef, params, tokens: jax.Array, *, dtype: str, feature_lay
 BUCKET_STEP = 256
 
 
-def data_buckets(max_len: int) -> tuple[int, ...]:
-    """The lengths a batch is padded to, in the hidden-state pass and when answering a turn: the decoder's
-    buckets to BUCKET_STEP, then every BUCKET_STEP tokens, then `max_len`. Long conversations are most of
-    the tokens, and padded to powers of two a 1,100-token batch would run as 2,048 (SmolLM2's forward,
-    8 x 1,280 tokens 53 s against 96 s at 2,048 on a 2-core CPU) and decode over a cache that long; one
-    program per bucket (and batch size), each compiled once and kept by the compile cache."""
+def data_buckets(max_len: int, lengths: Sequence[int] | None = None) -> tuple[int, ...]:
+    """The lengths a batch is padded to, in the hidden-state pass and when answering a turn: `lengths`
+    (`--buckets`) under `max_len`, then `max_len`; by default the decoder's buckets to BUCKET_STEP, then
+    every BUCKET_STEP tokens, then `max_len`. Long conversations are most of the tokens, and padded to
+    powers of two a 1,100-token batch would run as 2,048 (SmolLM2's forward, 8 x 1,280 tokens 53 s
+    against 96 s at 2,048 on a 2-core CPU) and decode over a cache that long. Each length is one program
+    per batch size, compiled once and kept by the compile cache: on a GPU compiling SmolLM2's forward
+    costs more than running it, so fewer lengths pay there."""
+    if lengths is not None:
+        return tuple(sorted({b for b in lengths if b < max_len})) + (max_len,)
     short = [b for b in BUCKETS if b < min(BUCKET_STEP, max_len)]
     return tuple(short + list(range(BUCKET_STEP, max_len, BUCKET_STEP)) + [max_len])
 
@@ -257,15 +261,16 @@ def data_buckets(max_len: int) -> tuple[int, ...]:
 def write_hidden(model: Llama, tokens: np.ndarray, offsets: np.ndarray, out: np.ndarray, batch_size: int,
                  max_len: int, mesh=None, features: np.ndarray | None = None,
                  feature_layers: tuple[int, ...] = (), start: int = 0,
-                 on_batch: Callable[[int], None] | None = None) -> None:
+                 on_batch: Callable[[int], None] | None = None, buckets: Sequence[int] | None = None) -> None:
     """Fill `out` [N, D] with the hidden state at every token, one causal forward per example, and
     `features` [N, F, D] (given with `feature_layers`) with the outputs of those layers from the same forward.
 
-    Examples go through in order of length, right-padded to a length bucket (`data_buckets`) in
-    batches of a fixed size; right padding changes nothing at the real positions. The first `start`
-    batches are taken as done (a resumed pass); `on_batch(batches done)` follows each."""
+    Examples go through in order of length, right-padded to a length bucket (`buckets`, default
+    `data_buckets(max_len)`) in batches of a fixed size; right padding changes nothing at the real
+    positions. The first `start` batches are taken as done (a resumed pass); `on_batch(batches done)`
+    follows each."""
     graphdef, params = nnx.split(model)
-    buckets = data_buckets(max_len)
+    buckets = data_buckets(max_len) if buckets is None else buckets
     lengths = np.diff(offsets)
     order = np.argsort(lengths, kind="stable")
     groups = cli.batches(order, batch_size)
@@ -307,7 +312,8 @@ def open_partial(out: Path, key: str, shapes: list[tuple[int, ...]], dtype) -> t
 
 
 def store_hidden(model: Llama, tokens: np.ndarray, offsets: np.ndarray, out: Path, dtype_name: str,
-                 feature_layers: tuple[int, ...], fingerprint: str, args, max_len: int, mesh=None) -> None:
+                 feature_layers: tuple[int, ...], fingerprint: str, args, max_len: int, mesh=None,
+                 buckets: Sequence[int] | None = None) -> None:
     """hidden.npy (and features.npy) in `out`, resumable: the arrays fill in place under PARTIAL names, and
     every SAVE_EVERY_S the batches done so far are recorded (after a flush), so a killed run picks up at
     its last record rather than from the start (SmolLM2's 800 longest ShareGPT conversations take two
@@ -315,6 +321,8 @@ def store_hidden(model: Llama, tokens: np.ndarray, offsets: np.ndarray, out: Pat
     d = model.cfg.hidden_size
     shapes = [(len(tokens), d)] + ([(len(tokens), len(feature_layers), d)] if feature_layers else [])
     settings = [fingerprint, dtype_name, list(feature_layers), args.batch_size, max_len, args.dtype]
+    if buckets is not None:  # other padding, other float rounding: a pass resumes under its own buckets only
+        settings.append(list(buckets))
     digest = hashlib.sha256(json.dumps(settings).encode())
     for array in (tokens, offsets):
         digest.update(np.ascontiguousarray(array).tobytes())
@@ -333,7 +341,8 @@ def store_hidden(model: Llama, tokens: np.ndarray, offsets: np.ndarray, out: Pat
             last = time.monotonic()
 
     write_hidden(model, tokens, offsets, arrays[0], args.batch_size, max_len, mesh,
-                 arrays[1] if feature_layers else None, feature_layers, start=start, on_batch=checkpoint)
+                 arrays[1] if feature_layers else None, feature_layers, start=start, on_batch=checkpoint,
+                 buckets=buckets)
     for array in arrays:
         array.flush()
     arrays.clear()  # the maps closed before their files are renamed
@@ -388,6 +397,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "hidden states' bytes)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
                    help="dtype the base model runs in, for generation and hidden states (default: %(default)s)")
+    p.add_argument("--buckets", metavar="LIST",
+                   help="comma-separated lengths a batch is padded up to, in the hidden-state pass and when "
+                        "answering, --max-len always the last (default: 32,64,128,256, then every 256 tokens: few "
+                        "padded positions on a CPU). Each length is a program compiled per batch size; on a GPU, "
+                        "where compiling SmolLM2's 30-layer forward takes far longer than running it, a few "
+                        "such as 512,1024 save most of a pass")
     p.add_argument("--limit", type=int, metavar="N",
                    help="use only the first N records of the file (after --first); both count only records "
                         "with a user turn, the others being left out first: on sharegpt --limit 879 is the "
@@ -466,13 +481,15 @@ def make_data(args: argparse.Namespace) -> int:
     if not records:
         raise CloverError(f"{args.prompts}: no usable record; raise --max-len or check the file")
 
+    buckets = data_buckets(max_len, cli.numbers(args.buckets, "--buckets", int, "integers", "512,1024", 1)
+                           if args.buckets else None)
     mesh = make_mesh(args.mesh) if args.mesh else None
     _, model = load_pretrained(base_dir, dtype=DTYPES[args.dtype], mesh=mesh)
     out = Path(args.out)
     prepare_dataset_dir(out)
     if args.mode == "self":
         systems = [cli.prompt_system(r.system, args.chat, args.system) for _, r in records]
-        gen = Generator(model, max_len=max_len, mesh=mesh, buckets=data_buckets(max_len))
+        gen = Generator(model, max_len=max_len, mesh=mesh, buckets=buckets)
         distill = functools.partial(self_distill_turns, gen, tokenizer, all_turns=all_turns, eos=eos, max_len=max_len,
                                     args=args, sampling=sampling)
         if args.answers:
@@ -496,7 +513,8 @@ def make_data(args: argparse.Namespace) -> int:
     feature_layers = low_mid_high(cfg.num_layers) if args.store_features else ()
     fingerprint = base_fingerprint(model)
     if hidden_dtype:
-        store_hidden(model, tokens, offsets, out, hidden_dtype, feature_layers, fingerprint, args, max_len, mesh)
+        store_hidden(model, tokens, offsets, out, hidden_dtype, feature_layers, fingerprint, args, max_len, mesh,
+                     buckets if args.buckets else None)
     save_array(out / "tokens.npy", tokens)
     save_array(out / "offsets.npy", offsets)
     save_array(out / "loss_mask.npy", mask)
@@ -506,7 +524,8 @@ def make_data(args: argparse.Namespace) -> int:
             "hidden_dtype": hidden_dtype, "feature_layers": list(feature_layers) or None, "prompts_file": str(args.prompts), "created_by": "train.make_data",
             "chat": args.chat, "chat_template": args.chat_template, "system": args.system,
             "turns": "all" if all_turns else "first", "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
-            "temperature": args.temperature, "seed": args.seed, "first": args.first}
+            "temperature": args.temperature, "seed": args.seed, "first": args.first,
+            "buckets": list(buckets) if args.buckets else None}
     write_text(out / META, json.dumps(meta, indent=2) + "\n")
     print(f"wrote {len(examples)} examples ({len(tokens)} tokens, {meta['num_response_tokens']} in responses) "
           f"to {out}")
