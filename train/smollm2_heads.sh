@@ -6,9 +6,10 @@
 # What it does (models/smollm2/heads/MODEL_CARD.md, round 6):
 #   1. data: the self-distilled answers committed in models/smollm2/distill (SELF_LIMIT listed ShareGPT
 #      records), round 5's held-out yardstick (EVAL_LIMIT), and three sets of ShareGPT's own replies to the
-#      records after them (FIXED_LIMIT each), with float16 hidden states and EAGLE-3's inner layers;
-#      merged into one training set. The held-out set goes first: the programs it compiles (one per
-#      --buckets length) are kept by the compile cache, and the four others, run side by side, load them.
+#      records after them (FIXED_LIMIT each), with float16 hidden states (and EAGLE-3's inner layers
+#      with FEATURES=1); merged into one training set. The held-out set goes first: the programs it
+#      compiles (one per --buckets length) are kept by the compile cache, and the four others, run side
+#      by side, load them.
 #   2. training: Medusa, Clover, Clover-2, EAGLE-1 and EAGLE-3, each its own process, the same data,
 #      steps and batch; heads exported to $ROOT/heads/METHOD.
 # Re-entrant: finished data sets and heads are kept, a training still running is not started twice, and
@@ -31,6 +32,8 @@ EVAL_BATCHES=${EVAL_BATCHES:-4}    # 4 x 8 windows: the 32 that round 5 evaluate
 MD_BATCH=${MD_BATCH:-32}
 BUCKETS=${BUCKETS:-512,1024}
 DTYPE=${DTYPE:-bfloat16}           # the heads' compute dtype (float32 master weights and optimizer state)
+FEATURES=${FEATURES:-0}            # 1: store EAGLE-3's inner layers too (3x the hidden states' bytes, copied
+                                   # again by the merge); 0: EAGLE-3 runs the base model at every step
 METHODS=${METHODS:-"clover2 clover medusa eagle eagle3"}
 RETURN_AFTER=${RETURN_AFTER:-0}
 PACK_TO=${PACK_TO:-}
@@ -49,7 +52,8 @@ $PY -c "from clover_jax import sources; sources.fetch('sharegpt'); print(sources
 el "model ready"
 
 MD="$PY -m train.make_data --base smollm2 --data sharegpt --chat --max-len 2048 --store-hidden float16
-    --store-features --batch-size $MD_BATCH --buckets $BUCKETS"
+    --batch-size $MD_BATCH --buckets $BUCKETS"
+[ "$FEATURES" = 1 ] && MD+=" --store-features"
 SELF="--max-new-tokens 256 --answers models/smollm2/distill"
 made() { [ -f $D/$1/meta.json ]; }
 made eval || $MD $SELF --limit $EVAL_LIMIT --out $D/eval > $L/data-eval.log 2>&1 || { tail -n 3 $L/data-eval.log; exit 1; }
