@@ -38,6 +38,7 @@ METHODS=${METHODS:-"clover2 clover medusa eagle eagle3"}
 RETURN_AFTER=${RETURN_AFTER:-0}
 PACK_TO=${PACK_TO:-}
 PY=${PY:-python3}
+POLL=${POLL:-15}                    # seconds between looks at the trainings
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false TF_CPP_MIN_LOG_LEVEL=2
 D=$ROOT/data; L=$ROOT/logs; H=$ROOT/heads; W=$ROOT/work
 mkdir -p $D $L $H $W
@@ -74,7 +75,7 @@ TR="$PY -m train.train --base smollm2 --data $D/r6 --eval-data $D/eval --counts-
     --batch-size $BATCH --seq-len 512 --warmup 50 --dtype $DTYPE --export-dtype bfloat16 --eval-every $EVAL_EVERY
     --eval-batches $EVAL_BATCHES --ckpt-every $EVAL_EVERY --resume"
 for m in $METHODS; do
-  [ -f $H/$m/heads.json ] || pgrep -f -- "--method $m " > /dev/null && continue
+  [ -f $H/$m/heads.json ] || pgrep -f -- "--work-dir $W/$m( |$)" > /dev/null && continue
   if [ $m = eagle3 ]; then own="--draft-vocab 8192"; else own="--loss-vocab 8192"; fi
   setsid nohup $TR --method $m $own --out $H/$m --work-dir $W/$m >> $L/train-$m.log 2>&1 < /dev/null &
 done
@@ -84,11 +85,11 @@ while :; do
   [ -n "$PACK_TO" ] && tar czf $PACK_TO/logs.tgz -C $ROOT logs $(cd $ROOT && ls work/*/run.json work/*/metrics.jsonl 2>/dev/null)
   left=""; for m in $METHODS; do [ -f $H/$m/heads.json ] || left+=" $m"; done
   [ -z "$left" ] && { el "all exported to $H"; break; }
-  pgrep -f "train.train" > /dev/null || { el "not exported and not running:$left (see $L/train-*.log)"; exit 1; }
+  pgrep -f -- "--work-dir $W/" > /dev/null || { el "not exported and not running:$left (see $L/train-*.log)"; exit 1; }
   [ $RETURN_AFTER -gt 0 ] && [ $(( $(date +%s) - T0 )) -ge $RETURN_AFTER ] && { el "returning; still training:$left"; break; }
   line=""; for m in $left; do line+=" $m:$(tail -n 1 $W/$m/metrics.jsonl 2>/dev/null | grep -o '"step": [0-9]*' | grep -o '[0-9]*$')"; done
   el "steps$line"
-  sleep 15
+  sleep $POLL
 done
 for m in $METHODS; do grep -h "^saved" $L/train-$m.log; done
 exit 0
