@@ -22,7 +22,7 @@
 set -u
 T0=$(date +%s)
 ROOT=${ROOT:-runs/smollm2-heads}
-SELF_LIMIT=${SELF_LIMIT:-1570}     # round 6: the first 25 committed chunks (records 0..1599); 1632: 26 (models/smollm2)
+SELF_LIMIT=${SELF_LIMIT:-1570}     # round 6: the first 25 committed chunks; models/smollm2/README.md: N for more
 EVAL_LIMIT=${EVAL_LIMIT:-640}      # round 5's yardstick: 624 conversations, 35 of them held out
 FIXED_LIMIT=${FIXED_LIMIT:-800}
 STEPS=${STEPS:-4800}
