@@ -53,7 +53,7 @@ def plain_phases(generator: Generator, prompts: list[list[int]], max_new: int, r
                    static_argnums=0, static_argnames=static_names, donate_argnums=2)
     probe = BandwidthProbe()
     passes = []
-    for _ in range(repeats + 1):
+    for _ in range(max(repeats, 1) + 1):  # its jitted programs compile in the first pass: never timed
         prefill_s = decode_s = steps = 0
         reads = []
         for p in prompts:

@@ -12,7 +12,8 @@ model's EOS, where a chat model's turn ends: greedy, every method then still wri
 Greedy outputs are checked against plain decoding's on the way. Times are medians over
 --repeats passes over the prompt set, after a warm-up pass that also compiles every bucket; the
 methods take their timed passes in turn, round by round, so a shared host's drifting load reaches
-them all alike.
+them all alike. With --repeats 0 the warm-up pass alone is timed (its compiling left out): tau at half
+the cost, for a slow machine.
 """
 
 from __future__ import annotations
@@ -125,7 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperatures", default="0", metavar="LIST",
                    help="comma-separated sampling temperatures, 0 = greedy (default: %(default)s); speculative "
                         "sampling is lossless, so tau at 1 against 0 shows what sampling costs the drafts")
-    p.add_argument("--repeats", type=int, default=3, metavar="R", help="timed passes over the prompts; medians are reported (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=3, metavar="R",
+                   help="timed passes over the prompts after the warm-up pass (which compiles, and gives tau and the "
+                        "tokens); medians are reported. 0: the warm-up pass is timed too, and is the only one: half "
+                        "the time of 1, for tau on a slow machine, with noisier speedups (compiling and each "
+                        "program's set-up run stay out of the times either way) (default: %(default)s)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="dtype of weights and activations (default: %(default)s)")
     p.add_argument("--hf", action="store_true", help="also run Hugging Face transformers generate (PyTorch) on the same model and prompts")
     p.add_argument("--shape", choices=tuple(SHAPES),
@@ -200,8 +205,9 @@ def run_engines(generators: dict[str, Generator], prompts: list[list[int]], batc
                 eos: tuple[int, ...] = ()) -> dict[str, tuple[dict, list[list[int]]]]:
     """Statistics and tokens per generator: a warm-up pass of each (compiling every bucket; tokens and
     acceptance come from it), then `repeats` rounds in which each generator makes one timed pass in
-    turn. A shared host's load drifts over a run; taking the generators in turn within every round
-    exposes them all to the same drift, so the ratios between them hold when the absolute rates move.
+    turn (none: the warm-up pass's times, compiling left out, are the figures). A shared host's load
+    drifts over a run; taking the generators in turn within every round exposes them all to the same
+    drift, so the ratios between them hold when the absolute rates move.
     With `tasks` (one per prompt, `task_of`), the statistics also hold `per_task` (`per_task`)."""
     warm = {}
     for name, gen in generators.items():
@@ -213,6 +219,8 @@ def run_engines(generators: dict[str, Generator], prompts: list[list[int]], batc
         for name, gen in generators.items():
             outs = engine_pass(gen, prompts, batch_size, max_new, sampling, seed, progress, eos)
             seconds[name].append([out.run_seconds for out in outs])
+    if not repeats:
+        seconds = {name: [[out.run_seconds for out in warm[name]]] for name in generators}
     results = {}
     for name, gen in generators.items():
         outs = warm[name]
@@ -303,7 +311,7 @@ def run_hf(path: Path, prompts: list[list[int]], batch_size: int, max_new: int, 
                 progress.update(1)
                 if rep == 0:  # a row that ended early is padded after its EOS
                     tokens += [up_to_eos(row[width:].tolist(), eos) for row in out]
-            if rep:
+            if rep or not repeats:
                 seconds.append(run_s)
         new = sum(len(t) for t in tokens)
         stats = dict(tokens_per_s=new / statistics.median(sum(p) for p in seconds), new_tokens=new)
@@ -342,10 +350,11 @@ def _benchmark(args: argparse.Namespace) -> int:
     sizes = cli.numbers(args.batch_sizes, "--batch-sizes", int, "integers", "1,8", 1)
     buckets = sorted(set(cli.numbers(args.buckets, "--buckets", int, "integers", "1024", 1))) if args.buckets else BUCKETS
     for flag, value in (("--num-prompts", args.num_prompts), ("--per-task", 1 if args.per_task is None else args.per_task),
-                        ("--max-new-tokens", args.max_new_tokens),
-                        ("--repeats", args.repeats)):
+                        ("--max-new-tokens", args.max_new_tokens)):
         if value < 1:
             raise CloverError(f"{flag} {value} must be >= 1")
+    if args.repeats < 0:
+        raise CloverError(f"--repeats {args.repeats} must be >= 0 (0: time the warm-up pass alone)")
     draft_vocabs = list(dict.fromkeys(str(parse_size(v)) for v in args.draft_vocab.split(",") if v.strip())) or ["auto"]
     costs = list(dict.fromkeys(v.strip() for v in args.step_cost.split(",") if v.strip())) or ["auto"]
     configs = [(m, t, None if m == "plain" else dv, None if m == "plain" else sc) for m, t in _configs(args.tree, methods)

@@ -114,11 +114,30 @@ def test_default_tree_is_auto_and_each_row_names_the_tree_it_used(tmp_path, caps
     assert (row["tree"], row["tree_nodes"], row["step_cost"], row["tau"]) == ("plain", 1, None, 1.0)
 
 
+def test_repeats_0_times_the_one_pass_it_makes(tmp_path, monkeypatch):
+    """--repeats 0: each engine makes one pass over the prompts, which gives tau, the tokens and the
+    times (compiling left out); the bandwidth line's own programs still compile in an untimed pass."""
+    passes = []
+    real = benchmark.engine_pass
+    monkeypatch.setattr(benchmark, "engine_pass", lambda gen, *a, **k: passes.append(gen) or real(gen, *a, **k))
+    out = tmp_path / "r.json"
+    assert benchmark.main(["--methods", "plain,medusa", "--num-prompts", "3", "--batch-sizes", "1,2",
+                           "--max-new-tokens", "4", "--repeats", "0", "--tree", "chain:2", "--json", str(out)]) == 0
+    assert len(passes) == 4  # two engines, two batch sizes, one pass each
+    result = json.loads(out.read_text())
+    assert result["settings"]["repeats"] == 0
+    for r in result["results"]:
+        assert r["tokens_per_s"] > 0 and r["step_ms"] > 0 and r["speedup"] > 0 and r["new_tokens"] == 3 * 4
+        assert r["tau"] >= 1 and r["matches_plain"] is not False
+    eff = result["plain_efficiency"]
+    assert len(eff["passes"]) == 1 and eff["decode_step_ms"] > 0 and eff["decode_steps"] == 3 * 3
+
+
 @pytest.mark.parametrize("args, message", [
     (["--methods", "plain,eagle-9"], "unknown method 'eagle-9'"),
     (["--batch-sizes", "1,zero"], "--batch-sizes '1,zero': expected comma-separated integers"),
     (["--batch-sizes", "0"], "give one or more integers >= 1"),
-    (["--repeats", "0"], "--repeats 0 must be >= 1"),
+    (["--repeats", "-1"], "--repeats -1 must be >= 0"),
     (["--temperatures", "0,hot"], "expected comma-separated numbers"),
     (["--tree", "plain=chain:2"], "plain decoding has no tree"),
     (["--methods", "medusa", "--draft-vocab", "many"], "--draft-vocab 'many': give auto, 0"),
