@@ -105,7 +105,7 @@ def masked_ids(tokenizer, text: str, spans: Sequence[tuple[int, int]], eos: tupl
 
 def answer_turns(answer: Callable[[list[list[int]], int], list[list[int]]], tokenizer,
                  users: Sequence[Sequence[str]], systems: Sequence[str | None], first: Sequence[list[int]],
-                 eos: tuple[int, ...], max_len: int, where: Sequence[str]) -> list[list[tuple]]:
+                 eos: tuple[int, ...], max_len: int, where: Sequence[str], last: bool = True) -> list[list[tuple]]:
     """Conversations answered turn by turn: `answer(prompts, turn)` replies (EOS included when hit) to
     the prompts of turn `turn` (0 first), in one call per turn; conversation i's first prompt is
     `first[i]`, and its turn t's is the conversation so far, its earlier answers as the chat template
@@ -113,17 +113,20 @@ def answer_turns(answer: Callable[[list[list[int]], int], list[list[int]]], toke
 
     Returns per conversation the (prompt ids, prompt loss mask, reply) of each turn answered. A
     conversation ends at its last user turn, at an answer without EOS (cut short), or where the next
-    prompt would reach `max_len` tokens."""
+    prompt would reach `max_len` tokens. `last=False` leaves each conversation's last user turn
+    unanswered (reply []): for a caller that wants the prompts, whose answers it makes itself."""
     pending = {i: (list(p), [0] * len(p)) for i, p in enumerate(first)}  # conversation -> its next prompt
     history: list[list[tuple[str, str]]] = [[] for _ in first]
     out: list[list[tuple]] = [[] for _ in first]
     turn = 0
     while pending:
         order = list(pending)
-        replies = answer([pending[i][0] for i in order], turn)
+        asked = [i for i in order if last or turn + 1 < len(users[i])]
+        replies = dict(zip(asked, answer([pending[i][0] for i in asked], turn) if asked else []))
         turn += 1
         nxt = {}
-        for i, reply in zip(order, replies):
+        for i in order:
+            reply = replies.get(i, [])
             ids, mask = pending[i]
             out[i].append((ids, mask, reply))
             if turn < len(users[i]) and reply and reply[-1] in eos:

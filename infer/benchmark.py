@@ -258,16 +258,15 @@ def with_later_turns(model, tokenizer, prompts: list[list[int]], records: list[t
     users = [record_turns(record, where)[0] for record, where in records]
 
     def answer(batch: list[list[int]], turn: int) -> list[list[int]]:
-        if turn == 0:
-            print(f"answering {len(batch)} first turns with plain greedy decoding, to ask the later ones",
-                  file=sys.stderr)
         out = []
-        for group in cli.batches(batch, batch_size):
+        groups = cli.batches(batch, batch_size)
+        for group in tqdm(groups, desc=f"turn {turn + 1}'s answers by plain greedy decoding, to ask the next",
+                          unit="batch", file=sys.stderr, dynamic_ncols=True):
             out += gen.generate(group, max_new, eos_ids=eos, batch_size=batch_size).tokens
         return out
 
     turns = answer_turns(answer, tokenizer, users, systems, prompts, eos, gen.max_len - max_new + 1,
-                         [where for _, where in records])
+                         [where for _, where in records], last=False)
     later = [(ids, i) for i, conversation in enumerate(turns) for ids, _, _ in conversation[1:]]
     return prompts + [ids for ids, _ in later], list(range(len(prompts))) + [i for _, i in later]
 

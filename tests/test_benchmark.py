@@ -200,9 +200,10 @@ def test_benchmark_sampling_and_draft_vocabulary_rows(tmp_path):
         "plain": 0, "medusa chain:1 dv=0": 0, "medusa chain:1": 0, "medusa chain:1 dv=160": 160}
 
 
-def test_later_turns_are_asked_after_plain_greedy_answers(tmp_path, capsys):
+def test_later_turns_are_asked_after_plain_greedy_answers(tmp_path, capsys, monkeypatch):
     """--chat: a multi-turn record's later turns are measured too, each asked after the conversation so
-    far with plain greedy decoding's answers in it, as Spec-Bench asks MT-Bench's second questions."""
+    far with plain greedy decoding's answers in it, as Spec-Bench asks MT-Bench's second questions.
+    Only the turns a later one follows are answered there: the last turn's answers are the measured ones."""
     model_dir = tiny_llama_checkpoint(tmp_path / "model", max_position_embeddings=128)
     tok = cli.load_tokenizer(model_dir)
     odd = list(range(1, tok.vocab_size, 2))  # odd ids end an answer: answers that end, so turns follow
@@ -214,8 +215,14 @@ def test_later_turns_are_asked_after_plain_greedy_answers(tmp_path, capsys):
     model = load_pretrained(model_dir)[1]
     eos = cli.eos_ids(model_dir, model.cfg, tok)
     firsts = [cli.encode(tok, text, chat=True, system=system) for text, system in zip(("x = 1", "z", "a"), systems)]
+    answered = []
+    real_generate = Generator.generate
+    monkeypatch.setattr(Generator, "generate",
+                        lambda self, prompts, *a, **k: answered.extend(prompts) or real_generate(self, prompts, *a, **k))
     prompts, owners = benchmark.with_later_turns(model, tok, firsts, [(r, f"q:{i}") for i, r in enumerate(records)],
                                                  systems, 6, eos, 2)
+    monkeypatch.setattr(Generator, "generate", real_generate)
+    assert answered == firsts[::2]  # the two-turn records' first turns, in one batch of two
     assert len(prompts) == 5 and prompts[:3] == firsts and owners == [0, 1, 2, 0, 2]
     gen = Generator(model)
     for later, first, (said, then), system in zip(prompts[3:], firsts[::2], [("x = 1", "y?"), ("a", "b")],
