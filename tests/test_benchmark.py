@@ -119,11 +119,12 @@ def test_repeats_0_times_the_one_pass_it_makes(tmp_path, monkeypatch):
     times (compiling left out); the bandwidth line's own programs still compile in an untimed pass."""
     passes = []
     real = benchmark.engine_pass
-    monkeypatch.setattr(benchmark, "engine_pass", lambda gen, *a, **k: passes.append(gen) or real(gen, *a, **k))
+    monkeypatch.setattr(benchmark, "engine_pass", lambda *a, **k: passes.append(real(*a, **k)) or passes[-1])
     out = tmp_path / "r.json"
     assert benchmark.main(["--methods", "plain,medusa", "--num-prompts", "3", "--batch-sizes", "1,2",
                            "--max-new-tokens", "4", "--repeats", "0", "--tree", "chain:2", "--json", str(out)]) == 0
     assert len(passes) == 4  # two engines, two batch sizes, one pass each
+    assert all(out.state is None for outs in passes for out in outs)  # no batch's KV cache is kept
     result = json.loads(out.read_text())
     assert result["settings"]["repeats"] == 0
     for r in result["results"]:
