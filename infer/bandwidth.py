@@ -15,6 +15,10 @@ from flax import nnx
 from clover_jax.decode import Generator, continue_plain, start_plain, to_host
 from clover_jax.model import Llama
 
+SAMPLE_PROMPTS = 8
+"""The bandwidth line times the first this many prompts, not all: its passes run to the token budget
+(no EOS), and over all of MT-Bench timing every prompt cost a sixth of the run for one ratio."""
+
 
 class BandwidthProbe:
     """The device's streaming-read bandwidth: a jitted sum over an array far larger than any cache. 256 MB
@@ -91,7 +95,7 @@ def plain_efficiency(model: Llama, prompts: list[list[int]], max_new: int, phase
     decode_s = statistics.median(p["decode_s"] for p in passes) / steps
     bandwidth = statistics.median(p["bandwidth"] for p in passes)
     fraction = statistics.median(step_bytes * steps / p["decode_s"] / p["bandwidth"] for p in passes)
-    return dict(weight_bytes=weights, kv_bytes_per_step=float(per_token_kv * mean_context),
+    return dict(prompts=len(prompts), weight_bytes=weights, kv_bytes_per_step=float(per_token_kv * mean_context),
                 bytes_per_step=float(step_bytes), decode_steps=phases["decode_steps"], decode_step_ms=1e3 * decode_s,
                 prefill_ms_per_prompt=1e3 * statistics.median(p["prefill_s"] for p in passes) / len(prompts),
                 achieved_bytes_per_s=step_bytes / decode_s, bandwidth_bytes_per_s=bandwidth,

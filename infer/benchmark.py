@@ -39,7 +39,7 @@ from clover_jax.sharding import make_mesh
 from clover_jax.tree import PLAIN
 from clover_jax import cli
 from infer import report
-from infer.bandwidth import BandwidthProbe, plain_efficiency, plain_phases
+from infer.bandwidth import SAMPLE_PROMPTS, BandwidthProbe, plain_efficiency, plain_phases
 from clover_jax.conversation import answer_turns, record_turns
 from infer.generate import DTYPES, METHODS, drafting_plan, make_generator
 from infer.profiling import profile_folder, profile_ops
@@ -56,13 +56,13 @@ included; plain = 1.00); accept@d = share of steps that accepted at least d draf
 tokens/s over plain decoding's at the same batch size in this run; compile s = seconds spent compiling,
 each new program's first (set-up) run included; compiles = programs compiled over the prompt set (the
 bucket count is the most it should be). The bandwidth line divides the bytes a plain decoding step reads
-(weights + KV) by its time, the decoding loop timed apart from the prefill, and compares that with
-streaming reads the benchmark takes between the prompts of the same passes (the median over passes of
-each pass's ratio). With --hf, rows `hf-generate` (transformers greedy `generate`) and
-`hf-prompt-lookup` (its assisted generation without a draft model, batch 1) run the same model and
-prompts in PyTorch on the CPU. Prompts whose records name a Spec-Bench `category` also get speedup and
-tau per task (MT-Bench's eight categories as mt_bench), a speedup only where a task's prompts fill
-their batches alone (always at batch 1).
+(weights + KV) by its time, the decoding loop timed apart from the prefill, over the first 8 prompts
+at batch 1, and compares that with streaming reads the benchmark takes between the prompts of the same
+passes (the median over passes of each pass's ratio). With --hf, rows `hf-generate` (transformers
+greedy `generate`) and `hf-prompt-lookup` (its assisted generation without a draft model, batch 1)
+run the same model and prompts in PyTorch on the CPU. Prompts whose records name a Spec-Bench
+`category` also get speedup and tau per task (MT-Bench's eight categories as mt_bench), a speedup only
+where a task's prompts fill their batches alone (always at batch 1).
 """
 
 
@@ -440,8 +440,9 @@ def _benchmark(args: argparse.Namespace) -> int:
                             plain_tokens = tokens
                             if b == 1:
                                 progress.set_postfix_str("plain decoding against the bandwidth limit")
-                                phases = plain_phases(gen, prompts, args.max_new_tokens, args.repeats)
-                                efficiency = plain_efficiency(model, prompts, args.max_new_tokens, phases)
+                                sample = prompts[:SAMPLE_PROMPTS]
+                                phases = plain_phases(gen, sample, args.max_new_tokens, args.repeats)
+                                efficiency = plain_efficiency(model, sample, args.max_new_tokens, phases)
                     elif temp == 0:
                         row.matches_plain = tokens == plain_tokens
                     row.speedup = row.tokens_per_s / plain.tokens_per_s

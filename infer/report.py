@@ -135,7 +135,7 @@ def summary(rows: list[Row], sizes: list[int], dtype: str, efficiency: dict | No
         out.append("\n" + note)
     if efficiency:
         e = efficiency
-        out.append(f"\nplain decoding, batch 1: {e['bytes_per_step'] / 1e6:.1f} MB read per step "
+        out.append(f"\nplain decoding, batch 1, first {e['prompts']} prompts: {e['bytes_per_step'] / 1e6:.1f} MB read per step "
                    f"(weights {e['weight_bytes'] / 1e6:.1f} MB + KV {e['kv_bytes_per_step'] / 1e6:.2f} MB) "
                    f"in {e['decode_step_ms']:.2f} ms (prefill excluded: {e['prefill_ms_per_prompt']:.1f} ms per prompt) "
                    f"= {e['achieved_bytes_per_s'] / 1e9:.1f} GB/s; streaming reads between the prompts "
