@@ -215,7 +215,8 @@ def run_engines(generators: dict[str, Generator], prompts: list[list[int]], batc
     With `tasks` (one per prompt, `task_of`), the statistics also hold `per_task` (`per_task`)."""
     warm = {}
     for name, gen in generators.items():
-        progress.set_postfix_str(f"{name}, batch {batch_size}, T={sampling.temperature:g}, warm-up")
+        what = "warm-up" if repeats else "one pass, timed"  # with no timed rounds this pass gives the figures
+        progress.set_postfix_str(f"{name}, batch {batch_size}, T={sampling.temperature:g}, {what}")
         warm[name] = engine_pass(gen, prompts, batch_size, max_new, sampling, seed, progress, eos)
     seconds: dict[str, list[list[float]]] = {name: [] for name in generators}  # per timed pass, per batch
     for rep in range(repeats):
@@ -242,7 +243,7 @@ def run_engines(generators: dict[str, Generator], prompts: list[list[int]], batc
                      step_ms=1e3 * run_s / max(steps, 1), steps=steps, new_tokens=new,
                      compile_s=sum(out.compile_seconds for out in outs), compilations=gen.compilations,
                      buckets=len({bucket_for(max(len(p) for p in group), gen.buckets)
-                                  for group in cli.batches(prompts, batch_size)}))
+                                  for group in cli.batches(prompts, batch_size)}), at_eos=ended_at(tokens, eos))
         if tasks:
             stats["per_task"] = per_task(tasks, [len(t) for t in tokens], seq_steps, seconds[name], batch_size)
         results[name] = (stats, tokens)
@@ -317,11 +318,17 @@ def run_hf(path: Path, prompts: list[list[int]], batch_size: int, max_new: int, 
             if rep or not repeats:
                 seconds.append(run_s)
         new = sum(len(t) for t in tokens)
-        stats = dict(tokens_per_s=new / statistics.median(sum(p) for p in seconds), new_tokens=new)
+        stats = dict(tokens_per_s=new / statistics.median(sum(p) for p in seconds), new_tokens=new,
+                     at_eos=ended_at(tokens, eos))
         if tasks:
             stats["per_task"] = per_task(tasks, [len(t) for t in tokens], None, seconds, batch_size)
         results[name] = (stats, tokens)
     return results
+
+
+def ended_at(answers: list[list[int]], eos: tuple[int, ...]) -> int | None:
+    """How many of `answers` ended at one of `eos` (None without them: every answer ran to the budget)."""
+    return sum(1 for a in answers if a and a[-1] in eos) if eos else None
 
 
 def up_to_eos(tokens: list[int], eos: tuple[int, ...]) -> list[int]:
@@ -471,6 +478,9 @@ def _benchmark(args: argparse.Namespace) -> int:
     if tasks_table:
         print("\n" + tasks_table)
     print(report.summary(rows, sizes, args.dtype, efficiency, shape, profiles))
+    ended = report.eos_note(rows, len(prompts), args.max_new_tokens)
+    if ended:
+        print("\n" + ended)
     result = {"results": [dataclasses.asdict(r) for r in rows], "plain_efficiency": efficiency, "shape": shape,
               "profile": profiles or None,
               "machine": report.machine_info(bandwidth),

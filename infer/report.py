@@ -40,6 +40,7 @@ class Row:
     compilations: int = 0
     buckets: int = 0
     matches_plain: bool | None = None
+    at_eos: int | None = None  # with --stop-at-eos, the answers that ended at an EOS (the rest hit the budget)
     # Per Spec-Bench task, where the prompts name one (`benchmark.per_task`): prompts, tau, new_tokens,
     # tokens_per_s and speedup (None where a batch mixed tasks, so no time is the task's alone).
     per_task: dict[str, dict] = dataclasses.field(default_factory=dict)
@@ -165,6 +166,16 @@ def summary(rows: list[Row], sizes: list[int], dtype: str, efficiency: dict | No
             out.append(f"  {op['us_per_step']:9.1f} us  {op['calls_per_step']:6.1f} calls  {op['op'][:40]:<40} "
                        f"{op['shape'][:24]:<24} {op['source'][-60:]}")
     return "\n".join(out)
+
+
+def eos_note(rows: list[Row], prompts: int, max_new: int) -> str | None:
+    """How many answers ended at the model's EOS rather than at the token budget, per row where it was
+    counted: a figure measured "to EOS" holds only as far as the answers got there."""
+    counts = {r.name: r.at_eos for r in rows if r.at_eos is not None}  # alike at every batch size
+    if not counts:
+        return None
+    return (f"answers that ended at EOS, of {prompts} (the rest ran to --max-new-tokens {max_new}): "
+            + ", ".join(f"{name} {n}" for name, n in counts.items()))
 
 
 def chain_cost_note(rows: list[Row]) -> str:

@@ -46,6 +46,7 @@ def test_benchmark_runs_and_reports(tmp_path, capsys):
     for (method, _, b), r in rows.items():
         assert r["tokens_per_s"] > 0 and r["speedup"] > 0 and r["new_tokens"] == 3 * 6
         assert r["matches_plain"] is not False  # greedy: every method writes plain decoding's tokens
+        assert r["at_eos"] is None  # no --stop-at-eos: every answer runs to the budget, none is counted
         if not method.startswith("hf-"):
             assert r["tau"] >= 1 and r["compilations"] == r["buckets"] >= 1
     assert rows[("plain", "", 1)]["tau"] == 1.0 and rows[("plain", "", 1)]["speedup"] == 1.0
@@ -317,9 +318,10 @@ def test_benchmark_reports_spec_bench_tasks(tmp_path, capsys):
     assert "per task, batch 3" in text and png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_stop_at_eos_ends_each_answer_where_the_model_does(tmp_path):
+def test_stop_at_eos_ends_each_answer_where_the_model_does(tmp_path, capsys):
     """--chat stops each answer at the model's EOS, as Spec-Bench does (--no-stop-at-eos: exactly
-    --max-new-tokens); the transformers rows stop there too and write the same tokens."""
+    --max-new-tokens); the transformers rows stop there too and write the same tokens, and every row
+    counts the answers that got to EOS."""
     model_dir = tiny_llama_checkpoint(tmp_path / "model", max_position_embeddings=128)
     tok = cli.load_tokenizer(model_dir)
     (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": list(range(1, tok.vocab_size, 2))}))
@@ -338,6 +340,9 @@ def test_stop_at_eos_ends_each_answer_where_the_model_does(tmp_path):
     for r in result["results"]:
         assert r["new_tokens"] == sum(map(len, answers)), r["method"]
         assert r["matches_plain"] is not False
+        assert r["at_eos"] == 3, r["method"]
+    assert "answers that ended at EOS, of 3 (the rest ran to --max-new-tokens 8): plain 3, hf-generate 3" \
+        in capsys.readouterr().out
     assert {r["method"] for r in result["results"]} == {"plain", "hf-generate", "hf-prompt-lookup"}
 
 
