@@ -6,8 +6,7 @@ read) and, when sampling drew the children, each node's draft distribution. Each
 its tokens, parents, draft slots, ancestor mask over the slots, positions, and what the parents handed
 down. A static tree's slots are its nodes; a dynamic tree drafts D x W candidates in slots 1.. (a beam
 of W per depth), then keeps N - 1 of them (`_allot`), so its drafter may need 1 + D x W draft slots
-(`draft_slots`). Children are a node's top-k (greedy, or a static tree's `top_children` when
-sampling) or draws without replacement (sampling).
+(`draft_slots`). Children are a node's top-k (greedy) or draws without replacement (sampling).
 """
 
 from __future__ import annotations
@@ -100,14 +99,13 @@ def draft_tree(base, drafter: Drafter, state, tree: Tree | DynamicTree, root: ja
 
 
 def _draft_static(base, drafter, state, tree: Tree, root, lengths, sampling, key, vocab):
-    """Level by level: node i's children are ranks 0.. of its distribution, top-k (greedy, or
-    `tree.top_children`) or draws in order (sampling)."""
+    """Level by level: node i's children are ranks 0.. of its distribution, top-k or draws in order."""
     frontier = _root(root, lengths, tree.num_nodes)
     tokens, dists = [root[:, None]], []
     for d in range(1, tree.max_depth + 1):
         prev, level = tree.level(d - 1), tree.level(d)
         logits, carry, state = drafter.expand(base, state, frontier, vocab)  # [B, n_{d-1} or 1, V or N]
-        if sampling.greedy or tree.top_children:  # chosen children: `accept_sample` tests point masses
+        if sampling.greedy:
             top = top_k(logits, tree.max_rank[d - 1])[1]
         else:
             q, q_full = _draft_q(logits, sampling, vocab, base)

@@ -119,8 +119,8 @@ def accept_sample(st: StepTree, tokens: jax.Array, logits: jax.Array, sampling: 
     with probability min(1, p(c)/q(c)), p the base model's distribution at the node and q the one c was
     drawn from (`draws` [B, N, V] at the node, children drawn without replacement in test order). On a rejection p
     becomes the residual max(p - q, 0) renormalised and q loses c (renormalised: the next child was
-    drawn without it). Without `draws` (a dynamic tree, or a static one with `top_children`: children
-    chosen, not drawn) each child is tested as a draw from a point mass on itself: kept with probability p(c), else removed from p,
+    drawn without it). Without `draws` (a dynamic tree, whose children are chosen, not drawn) each child
+    is tested as a draw from a point mass on itself: kept with probability p(c), else removed from p,
     which is sequential sampling from p whatever chose the children. A kept child becomes the current
     node, with p its own base distribution; when no child is kept (or at a leaf) the walk stops and the
     bonus token is drawn from p, residual included. ranks[d-1]: children tested at depth d at most."""

@@ -72,10 +72,6 @@ class Tree:
     max_rank: tuple[int, ...]  # [D] top-k each depth needs: 1 + the largest rank at depth 1..D
     num_children: np.ndarray  # [N] int32
     children: np.ndarray  # [N, C] int32, each node's children ordered by rank, -1 padded
-    # When sampling: False, a node's children are draws without replacement from its draft distribution
-    # (SPEC 3); True ("+top" after the spec), its top-k, as when greedy, each tested as a point mass.
-    # Both keep the output exact; which accepts more depends on the heads (docs/benchmarks.md).
-    top_children: bool = False
 
     @property
     def num_nodes(self) -> int:
@@ -108,21 +104,16 @@ class Tree:
 
     def truncated(self, max_depth: int) -> Tree:
         """The same tree without the nodes deeper than max_depth."""
-        return Tree.from_paths([p for p in self.paths if len(p) <= max_depth]).with_top_children(self.top_children)
-
-    def with_top_children(self, top: bool = True) -> Tree:
-        """The same tree drafting its children as the top-k (True) or as draws (False) when sampling."""
-        return dataclasses.replace(self, top_children=bool(top))
+        return Tree.from_paths([p for p in self.paths if len(p) <= max_depth])
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, Tree) and (self.paths, self.top_children) == (other.paths, other.top_children)
+        return isinstance(other, Tree) and self.paths == other.paths
 
     def __hash__(self) -> int:
-        return hash((self.paths, self.top_children))
+        return hash(self.paths)
 
     def __repr__(self) -> str:
-        top = ", top_children=True" if self.top_children else ""
-        return f"Tree(num_nodes={self.num_nodes}, max_depth={self.max_depth}, leaves={self.num_leaves}{top})"
+        return f"Tree(num_nodes={self.num_nodes}, max_depth={self.max_depth}, leaves={self.num_leaves})"
 
     @classmethod
     def from_paths(cls, paths, max_depth: int | None = None) -> Tree:
@@ -241,7 +232,6 @@ def _positive(x, what: str) -> int:
 
 # A dynamic tree's selection rule: Clover's sampler, or EAGLE-2's expand-then-rerank.
 DYNAMIC_KINDS = ("dynamic", "eagle2")
-TOP_SUFFIX = "+top"  # after a static tree spec: its children are the top-k when sampling too
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,19 +307,12 @@ def resolve_tree(spec, method: str, num_heads: int, chain_tau=None, sampling: bo
     the chain `chain_tau` says is fastest, `sampling` or not: see `auto_tree`), a name from NAMED_TREES
     or "mc_sim_7b_63" (both named trees are cut to num_heads), "chain:D", "full:WxD", "widths:W1,W2,...",
     a JSON list of paths as a string, a JSON file path, a list of paths, a Tree, or a dynamic tree
-    "dynamic:N[,W]" / "eagle2:N[,W]" (a DynamicTree of depth num_heads). A static spec followed by
-    "+top" drafts each node's top-k children when sampling too (`Tree.top_children`).
+    "dynamic:N[,W]" / "eagle2:N[,W]" (a DynamicTree of depth num_heads).
     """
-    if isinstance(spec, str) and spec.strip().endswith(TOP_SUFFIX):
-        tree = resolve_tree(spec.strip()[: -len(TOP_SUFFIX)], method, num_heads, chain_tau, sampling)
-        if not isinstance(tree, Tree):
-            raise CloverError(f"tree spec {spec!r}: '{TOP_SUFFIX}' is for static trees; a dynamic tree chooses "
-                              "its own children")
-        return tree.with_top_children()
     paper = methods.get(method).tree  # what `mc_sim_7b_63` means: the tree the method's own code uses
     heads = _positive(num_heads, "num_heads")
     if isinstance(spec, Tree):
-        return Tree.from_paths(spec.paths, heads).with_top_children(spec.top_children)
+        return Tree.from_paths(spec.paths, heads)
     if isinstance(spec, DynamicTree):
         if spec.max_depth > heads:
             raise CloverError(f"dynamic tree of depth {spec.max_depth} needs more than the {heads} draft heads")
@@ -376,8 +359,7 @@ def resolve_tree(spec, method: str, num_heads: int, chain_tau=None, sampling: bo
     if os.path.isfile(s) or s.endswith(".json"):
         return Tree.from_file(s, heads)
     raise CloverError(f"unknown tree spec {spec!r}: use default, auto, {', '.join(NAMED_TREES)}, chain:D, "
-                      "full:WxD, widths:W1,W2,..., dynamic:N, eagle2:N, a JSON list of paths or a .json file "
-                      f"(a static one may end in {TOP_SUFFIX})")
+                      "full:WxD, widths:W1,W2,..., dynamic:N, eagle2:N, a JSON list of paths or a .json file")
 
 
 class ChainCost(NamedTuple):

@@ -80,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "held-out chain tau says is fastest, or plain decoding, tree 'plain', where no chain is "
                         "modelled to pay; the method's paper tree elsewhere; as infer.generate picks), default "
                         "(the method's paper tree), chain:K, widths:4,2,2, full:WxD, a named tree, a JSON file of "
-                        "paths, or a dynamic tree dynamic:N / eagle2:N; +top after a static one drafts its top-k "
-                        "children when sampling too, not draws (default: auto; each row names the tree it used)")
+                        "paths, or a dynamic tree dynamic:N / eagle2:N (default: auto; each row names the tree it "
+                        "used)")
     p.add_argument("--draft-vocab", default="auto", metavar="LIST",
                    help="comma-separated draft vocabularies to measure every speculative method with: N (the N "
                         "most frequent tokens of the heads' training data; when sampling, the N most probable "

@@ -25,7 +25,7 @@ from clover_jax.heads import HeadsConfig, make_heads
 from clover_jax.model import Llama, causal_self_mask
 from clover_jax.sampling import SamplingConfig, distribution
 from clover_jax.speculative import SpeculativeGenerator
-from clover_jax.tree import TOP_SUFFIX, resolve_tree
+from clover_jax.tree import resolve_tree
 from conftest import TableHeads
 
 pytestmark = pytest.mark.optimized  # its time goes into running programs, not compiling them
@@ -135,17 +135,14 @@ def p_values(tokens: np.ndarray, joint: np.ndarray) -> dict[str, float]:
 
 
 # Dynamic trees: Clover's sampler draws its children into a shape fixed beforehand, eagle2 chooses them
-# (each tested against a point mass), as a static tree does with "+top"; "table" heads know the base
-# model's bigrams (see table_heads).
+# (each tested against a point mass); "table" heads know the base model's bigrams (see table_heads).
 CASES = [("medusa", SamplingConfig(temperature=1.0), TREE),
          ("clover2", SamplingConfig(temperature=1.0), TREE), ("clover2", SamplingConfig(temperature=0.7), TREE),
          ("clover", SamplingConfig(temperature=1.0, top_p=0.9), TREE),
          ("eagle", SamplingConfig(temperature=1.0), TREE), ("eagle3", SamplingConfig(temperature=0.7), TREE),
          ("eagle", SamplingConfig(temperature=1.0), "dynamic:7"), ("eagle3", SamplingConfig(temperature=1.0), "eagle2:7"),
          ("table", SamplingConfig(temperature=1.0), "eagle2:7"),
-         ("table", SamplingConfig(temperature=0.7, top_p=0.9), "dynamic:7"),
-         ("clover2", SamplingConfig(temperature=1.0), TREE + TOP_SUFFIX),
-         ("table", SamplingConfig(temperature=0.7, top_p=0.9), TREE + TOP_SUFFIX)]
+         ("table", SamplingConfig(temperature=0.7, top_p=0.9), "dynamic:7")]
 
 
 @pytest.mark.parametrize("method, tree", [("clover2", TREE), ("table", "dynamic:7"), ("eagle3", TREE)],
@@ -162,8 +159,7 @@ def test_sampling_stays_exact_with_a_draft_vocabulary(base, method, tree):
 
 
 @pytest.mark.parametrize("method, sampling, tree", CASES,
-                         ids=[f"{m}-T{s.temperature}-p{s.top_p}-{t.split(':')[0]}{'-top' if t.endswith(TOP_SUFFIX) else ''}"
-                              for m, s, t in CASES])
+                         ids=[f"{m}-T{s.temperature}-p{s.top_p}-{t.split(':')[0]}" for m, s, t in CASES])
 def test_speculative_sampling_has_the_base_distribution(base, method, sampling, tree):
     pv = p_values(sample_tokens(base, method, sampling, tree), exact_joint(base, sampling))
     assert min(pv.values()) > 1e-3, pv

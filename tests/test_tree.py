@@ -234,12 +234,6 @@ def test_resolve_tree_specs(tmp_path):
     f.write_text(json.dumps(SMALL))
     assert resolve_tree(str(f), "clover", 3) == Tree.from_paths(SMALL)
     assert resolve_tree("auto", "clover2", 5) == chain(5)  # the suite runs on a CPU
-    top = resolve_tree(" default+top", "clover2", 5)  # children chosen, not drawn, when sampling
-    assert top.top_children and top.paths == DEFAULT_TREES["clover2"].paths and top != DEFAULT_TREES["clover2"]
-    assert resolve_tree("chain:2+top", "medusa", 4) == chain(2).with_top_children()
-    assert resolve_tree(top, "clover2", 5) == top and top.truncated(2).top_children
-    assert repr(chain(2).with_top_children()) == "Tree(num_nodes=3, max_depth=2, leaves=1, top_children=True)"
-    assert len({top, DEFAULT_TREES["clover2"], top.with_top_children(False)}) == 2
     assert auto_tree(5, "cpu") == "chain:5" and auto_tree(4, "gpu") == auto_tree(4, "tpu") == "default"
 
 
@@ -322,8 +316,6 @@ def test_resolve_dynamic_trees():
         (3, "medusa", 4, r"must be a string, a list of paths or None, got int"),
         (SMALL, "clover", 2, r"more than the 2 heads"),
         (chain(4), "clover", 3, r"more than the 3 heads"),
-        ("dynamic:7+top", "clover", 3, r"'\+top' is for static trees; a dynamic tree chooses its own children"),
-        ("chain:9+top", "clover", 3, r"has depth 4, more than the 3 heads"),
     ],
 )
 def test_resolve_tree_errors(spec, method, heads, message):
