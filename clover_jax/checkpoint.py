@@ -27,9 +27,11 @@ from clover_jax.files import write_text
 from clover_jax.heads import Heads, HeadsConfig, make_heads
 from clover_jax.layers import from_stored, stored_parts, to_stored
 from clover_jax.model import Llama
+from clover_jax.tree import Tree
 
 WEIGHTS = "heads.safetensors"
 CONFIG = "heads.json"
+TREE = "tree.json"  # a static tree fitted to the heads (train.evaluate --fit-tree --record): `--tree default`
 COUNTS = "token_counts.safetensors"  # each token's count in the training targets and probability mass (draft_vocab)
 SAVED = (nnx.Param, DraftIds)  # what a heads file holds: the parameters, and EAGLE-3's draft token ids
 
@@ -112,6 +114,14 @@ def held_out_chain_tau(heads_dir: str | Path | None) -> list[float] | None:
         raise CloverError(f"{Path(heads_dir) / CONFIG}: val_chain_tau_by_depth should be a list of "
                           "numbers >= 1, one per head; delete the entry or re-export the heads")
     return [float(t) for t in taus]
+
+
+def load_fitted_tree(heads_dir: str | Path | None, num_heads: int) -> Tree | None:
+    """The static tree fitted to the heads in `heads_dir` (its tree.json, written by `train.evaluate
+    --fit-tree N --record`), which `--tree default` drafts in place of the method's paper tree; None for
+    heads without one, or no directory (random heads)."""
+    path = None if heads_dir is None else Path(heads_dir) / TREE
+    return Tree.from_file(str(path), num_heads) if path is not None and path.is_file() else None
 
 
 def load_token_stats(heads_dir: str | Path, vocab_size: int) -> dict[str, np.ndarray]:

@@ -11,6 +11,7 @@ are a contiguous range. Letters: N nodes, D max depth, P leaves, C max children 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 import json
 import math
@@ -224,6 +225,35 @@ def from_widths(widths) -> Tree:
     return Tree.from_paths(paths)
 
 
+def fit(counts: dict, num_nodes: int, max_depth: int) -> Tree:
+    """The static tree of `num_nodes` nodes (root included), at most `max_depth` deep, whose nodes draft
+    the data's tokens most often, by `counts` {rank path: how often that path drafted the data's tokens,
+    over the positions a step could start at} (`train.losses.path_counts`, from heads' held-out drafts).
+
+    A step accepts one token per depth whose node drafted the data's token, and at most one node of a
+    depth can, so its tokens per step are 1 + the sum of its nodes' hit rates: the best tree holds the
+    most often counted paths. They are taken greedily, each once its parent and its next better sibling
+    are in (child ranks 0, 1, 2, ... with none skipped), which keeps the set a tree. This is how
+    Medusa fits its sparse trees to its heads' accuracies, here with joint counts in place of a product
+    of per-head accuracies: a regressive head's hits at depth d depend on those above it."""
+    nodes = _positive(num_nodes, "num_nodes")
+    depth = _positive(max_depth, "max_depth")
+    if nodes < 2:
+        raise CloverError(f"a fitted tree needs at least 2 nodes (root included), got {nodes}")
+
+    def entry(path):  # most counted first; ties to the shallower, then better-ranked path
+        return (-counts.get(path, 0), len(path), path)
+
+    frontier, chosen = [entry((0,))], []
+    while frontier and len(chosen) < nodes - 1:
+        _, _, path = heapq.heappop(frontier)
+        chosen.append(path)
+        heapq.heappush(frontier, entry(path[:-1] + (path[-1] + 1,)))
+        if len(path) < depth:
+            heapq.heappush(frontier, entry(path + (0,)))
+    return Tree.from_paths(chosen, depth)
+
+
 def _positive(x, what: str) -> int:
     if not isinstance(x, numbers.Integral) or isinstance(x, bool) or x < 1:
         raise CloverError(f"{what} must be a positive integer, got {x!r}")
@@ -300,14 +330,17 @@ class DynamicTree:
         return cls(kind, n, depth, beam)
 
 
-def resolve_tree(spec, method: str, num_heads: int, chain_tau=None, sampling: bool = False) -> Tree:
+def resolve_tree(spec, method: str, num_heads: int, chain_tau=None, sampling: bool = False,
+                 fitted_tree: Tree | None = None) -> Tree:
     """The tree a user asked for, checked against the heads it will be drafted with.
 
-    spec: None or "default" (the method's paper tree), "auto" (the paper tree on an accelerator, on a CPU
-    the chain `chain_tau` says is fastest, `sampling` or not: see `auto_tree`), a name from NAMED_TREES
-    or "mc_sim_7b_63" (both named trees are cut to num_heads), "chain:D", "full:WxD", "widths:W1,W2,...",
-    a JSON list of paths as a string, a JSON file path, a list of paths, a Tree, or a dynamic tree
-    "dynamic:N[,W]" / "eagle2:N[,W]" (a DynamicTree of depth num_heads).
+    spec: None or "default" (`fitted_tree`, the tree fitted to these heads that their directory ships,
+    else the method's paper tree), "fitted" (`fitted_tree`, an error without one), "paper" (the method's
+    paper tree), "auto" (the default tree on an
+    accelerator, on a CPU the chain `chain_tau` says is fastest, `sampling` or not: see `auto_tree`), a
+    name from NAMED_TREES or "mc_sim_7b_63" (both named trees are cut to num_heads), "chain:D",
+    "full:WxD", "widths:W1,W2,...", a JSON list of paths as a string, a JSON file path, a list of paths,
+    a Tree, or a dynamic tree "dynamic:N[,W]" / "eagle2:N[,W]" (a DynamicTree of depth num_heads).
     """
     paper = methods.get(method).tree  # what `mc_sim_7b_63` means: the tree the method's own code uses
     heads = _positive(num_heads, "num_heads")
@@ -317,23 +350,30 @@ def resolve_tree(spec, method: str, num_heads: int, chain_tau=None, sampling: bo
         if spec.max_depth > heads:
             raise CloverError(f"dynamic tree of depth {spec.max_depth} needs more than the {heads} draft heads")
         return spec
-    if spec is None or isinstance(spec, (list, tuple)):
-        return _named(paper, heads) if spec is None else Tree.from_paths(spec, heads)
+    if spec is None or (isinstance(spec, str) and spec.strip() == "default"):
+        return _named(paper, heads) if fitted_tree is None else Tree.from_paths(fitted_tree.paths, heads)
+    if isinstance(spec, (list, tuple)):
+        return Tree.from_paths(spec, heads)
     if not isinstance(spec, str):
         raise CloverError(f"a tree spec must be a string, a list of paths or None, got {type(spec).__name__}")
     s = spec.strip()
     kind, _, arg = s.partition(":")
     if kind in DYNAMIC_KINDS:
         return DynamicTree.parse(kind, arg, heads)
-    if s in ("default", "mc_sim_7b_63"):
+    if s in ("paper", "mc_sim_7b_63"):
         return _named(paper, heads)
+    if s == "fitted":
+        if fitted_tree is None:
+            raise CloverError("tree fitted: these heads ship no fitted tree (tree.json); fit one with python -m "
+                              "train.evaluate --fit-tree N --record, or draft the paper tree (--tree paper)")
+        return Tree.from_paths(fitted_tree.paths, heads)
     if s == "auto":
         picked = auto_tree(heads, chain_tau=chain_tau, sampling=sampling)
         if picked == PLAIN:
             raise CloverError(f"tree auto: with these heads no chain is modelled to beat plain decoding on this "
                               f"{jax.default_backend()} (held-out tau {', '.join(f'{t:.2f}' for t in chain_tau)}); "
                               "decode without drafting, or name a tree such as chain:1")
-        return resolve_tree(picked, method, heads)
+        return resolve_tree(picked, method, heads, fitted_tree=fitted_tree)
     if s in NAMED_TREES:
         return _named(s, heads)
     if kind in ("chain", "full", "widths") and arg:
@@ -358,7 +398,7 @@ def resolve_tree(spec, method: str, num_heads: int, chain_tau=None, sampling: bo
         return Tree.from_paths(data.get("paths", data) if isinstance(data, dict) else data, heads)
     if os.path.isfile(s) or s.endswith(".json"):
         return Tree.from_file(s, heads)
-    raise CloverError(f"unknown tree spec {spec!r}: use default, auto, {', '.join(NAMED_TREES)}, chain:D, "
+    raise CloverError(f"unknown tree spec {spec!r}: use default, fitted, paper, auto, {', '.join(NAMED_TREES)}, chain:D, "
                       "full:WxD, widths:W1,W2,..., dynamic:N, eagle2:N, a JSON list of paths or a .json file")
 
 
@@ -396,7 +436,7 @@ def cpu_chain_cost(depth: int, sampling: bool = False, cost: ChainCost | None = 
 def auto_tree(num_heads: int, backend: str | None = None, chain_tau=None, sampling: bool = False,
               cost: ChainCost | None = None) -> str:
     """The tree spec `auto` stands for on `backend` (default: JAX's). On an accelerator verifying a
-    26-64-node tree costs about one plain step (memory-bound), so the paper trees pay. On a CPU every
+    26-64-node tree costs about one plain step (memory-bound), so the default trees pay. On a CPU every
     verified token costs compute (XLA:CPU runs a matmul of 2-16 rows at 2-4x a one-row one), so only a
     chain pays there, and only as deep as its drafts are accepted: with `chain_tau` (the held-out tokens
     a step of chains through the first 1, 2, ... heads reach, which train.train records as

@@ -29,6 +29,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from clover_jax import methods, sources
+from clover_jax.checkpoint import TREE
 from clover_jax.config import ModelConfig
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import BUCKETS, Generator, GenerationOutput, bucket_for
@@ -78,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft tree for every speculative method, or METHOD=SPEC for one; repeat it to measure "
                         "several trees in the same run. SPEC: auto (on a CPU a chain as deep as the heads' "
                         "held-out chain tau says is fastest, or plain decoding, tree 'plain', where no chain is "
-                        "modelled to pay; the method's paper tree elsewhere; as infer.generate picks), default "
-                        "(the method's paper tree), chain:K, widths:4,2,2, full:WxD, a named tree, a JSON file of "
+                        "modelled to pay; the default tree elsewhere; as infer.generate picks), default (the "
+                        "tree fitted to the heads, their tree.json, shown as 'fitted'; else the method's paper "
+                        "tree), fitted, paper, chain:K, widths:4,2,2, full:WxD, a named tree, a JSON file of "
                         "paths, or a dynamic tree dynamic:N / eagle2:N (default: auto; each row names the tree it "
                         "used)")
     p.add_argument("--draft-vocab", default="auto", metavar="LIST",
@@ -170,7 +172,8 @@ def _configs(specs: list[str], methods: list[str]) -> list[tuple[str, str | None
 
 def planned(model, method: str, spec: str | None, value: str | None, heads_dir: Path, draft_vocab, sampling: bool,
             model_path, mesh=None) -> tuple[str | None, float | None]:
-    """(the tree spec a row runs, PLAIN where `auto` decodes plain, None for the paper tree; its step
+    """(the tree spec a row runs, PLAIN where `auto` decodes plain, "fitted" for the heads' fitted tree,
+    None for the paper tree; its step
     cost) for tree `spec` and `--step-cost` `value`, as infer.generate plans them
     (`generate.drafting_plan`: on a CPU `auto` is a chain, its depth picked by the heads' held-out chain
     tau and this machine's timed chain step cost), so that each row names the tree it ran."""
@@ -178,7 +181,9 @@ def planned(model, method: str, spec: str | None, value: str | None, heads_dir: 
         return spec, None
     tree, cost = drafting_plan(model, method, model_path=model_path, heads=str(heads_dir), tree=spec,
                                draft_vocab=draft_vocab, greedy=not sampling, step_cost=value, mesh=mesh)
-    return (None if tree == "default" else tree), cost
+    if tree in (None, "default"):  # the heads' fitted tree where they have one, and the rows say so
+        tree = "fitted" if (heads_dir / TREE).is_file() else None
+    return tree, cost
 
 
 def paced(spec: str | None, cost: float | None) -> str:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from clover_jax import methods
-from clover_jax.checkpoint import held_out_chain_tau, load_draft_vocab, load_heads
+from clover_jax.checkpoint import held_out_chain_tau, load_draft_vocab, load_fitted_tree, load_heads
 from clover_jax.config import ModelConfig
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import BUCKETS, Generator
@@ -84,11 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft heads directory written by train.train, or 'random' for untrained heads "
                         "(default: MODEL/heads/METHOD, the heads shipped beside the model)")
     p.add_argument("--tree", metavar="SPEC", default="auto",
-                   help="draft tree: a static one - default (the method's paper tree), a name (mc_sim_7b_63), "
+                   help="draft tree: a static one - default (the tree fitted to the heads, their tree.json, "
+                        "else the method's paper tree), fitted (the heads' tree.json), paper (the method's paper "
+                        "tree; also mc_sim_7b_63), "
                         "chain:D, full:WxD, widths:W1,W2,..., a JSON list of paths such as [[0],[1],[0,0]], or a "
                         "JSON file of one - or a dynamic one chosen per step from the heads' probabilities under "
                         "a budget of N nodes: dynamic:N (Clover's sampler) or eagle2:N (EAGLE-2's rerank), ',W' "
-                        "after N sets the beam width. auto: the paper tree on a GPU or TPU; on a CPU, where each "
+                        "after N sets the beam width. auto: the default tree on a GPU or TPU; on a CPU, where each "
                         "verified token costs compute, a chain as deep as the heads' held-out chain tau (in "
                         "heads.json) says is fastest for what a chain step costs on this machine (timed once and "
                         "kept, see --step-cost), or no drafting at all where no chain beats plain decoding; through "
@@ -223,7 +225,8 @@ def make_generator(model: Llama, method: str, *, model_path, heads: str | None =
     spec, cost = plan_tree(model, draft, heads_dir, vocab, tree=tree, greedy=greedy, step_cost=step_cost, mesh=mesh)
     if spec == PLAIN:
         return Generator(model, max_len=max_len, mesh=mesh, buckets=buckets)
-    return SpeculativeGenerator(model, draft, resolve_tree(spec, method, draft.num_heads), max_len=max_len,
+    drafted = resolve_tree(spec, method, draft.num_heads, fitted_tree=load_fitted_tree(heads_dir, draft.num_heads))
+    return SpeculativeGenerator(model, draft, drafted, max_len=max_len,
                                 buckets=buckets, mesh=mesh, draft_vocab=vocab, step_cost=cost)
 
 

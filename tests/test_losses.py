@@ -130,6 +130,11 @@ def test_topk_accuracy_by_hand(top):
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
+def _ranks_of(hits):
+    """Ranks where a chain reads only whether the top-1 draft hit: 0 for a hit, 1 for a miss."""
+    return np.where(hits, 0, 1)
+
+
 def test_replay_chain_by_hand():
     """Three heads over ten positions: a step at t accepts the leading run of hits[:, t], and the next
     starts at t + accepted + 1 (the bonus token's position), so the hits in between are never read."""
@@ -139,10 +144,53 @@ def test_replay_chain_by_hand():
     hits[:, 3] = [0, 1, 1]  # t=3 accepts 0 -> t=4
     hits[:, 4] = [1, 1, 1]  # t=4 accepts 3 -> t=8
     hits[:, 8] = [1, 0, 1]  # t=8 accepts 1 -> t=10, past the stop
-    np.testing.assert_array_equal(losses.replay_chain(hits, 0, 10), [1, 1, 1, 1])
-    np.testing.assert_array_equal(losses.replay_chain(hits, 0, 8), [1, 0, 1, 1])  # t=8 is not a step
-    np.testing.assert_array_equal(losses.replay_chain(hits, 1, 10), [3, 1, 0, 1])  # 1 -> 5 -> 6 -> 7 -> 8 -> 10
+    chain = losses.chain_paths(3)
+    assert chain == {(0,), (0, 0), (0, 0, 0)}
+    ranks = _ranks_of(hits)
+    np.testing.assert_array_equal(losses.replay_steps(ranks, chain, 0, 10), [1, 1, 1, 1])
+    np.testing.assert_array_equal(losses.replay_steps(ranks, chain, 0, 8), [1, 0, 1, 1])  # t=8 is not a step
+    np.testing.assert_array_equal(losses.replay_steps(ranks, chain, 1, 10), [3, 1, 0, 1])  # 1 -> 5 -> 6 -> 7 -> 8 -> 10
     assert losses.tau_of(np.array([1, 1, 1, 1])) == 1 + 6 / 4
+
+
+def test_replay_on_a_tree_accepts_the_deepest_node_drafting_the_data():
+    """Tree [0], [1], [0, 0], [1, 0], [1, 1]: a step accepts as deep as the targets' ranks stay a path of
+    the tree, whichever branch that is; ranks past a missing node are never read."""
+    paths = frozenset({(0,), (1,), (0, 0), (1, 0), (1, 1)})
+    ranks = np.array([[1, 9, 0, 2, 1, 0, 5, 0],
+                      [1, 9, 3, 0, 0, 0, 0, 0]])
+    # t=0: (1, 1) -> accepts 2 -> t=3: rank 2 at depth 1, no node -> accepts 0 -> t=4: (1, 0) -> 2 -> t=7:
+    # (0, 0) -> 2 -> t=10.
+    np.testing.assert_array_equal(losses.replay_steps(ranks, paths, 0, 8), [1, 0, 3])
+    # From t=2: (0, 3) has no node -> accepts 1 -> t=4 -> t=7 -> done.
+    np.testing.assert_array_equal(losses.replay_steps(ranks, paths, 2, 8), [0, 1, 2])
+
+
+def test_target_ranks_by_hand():
+    """Where the target ranks in its head's logits, ties to the lower id (as argmax breaks them); the cap
+    where it is not counted, outside the scored vocabulary (-1), or ranked at the cap or below."""
+    logits = np.array([[[[0.5, 2.0, 1.0, 2.0], [3.0, 1.0, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0],
+                         [1.0, 2.0, 3.0, 4.0]]]], np.float32)  # [K=1, B=1, T=4, V=4]
+    targets = np.array([[[3, 0, 1, -1]]])
+    masks = np.ones((1, 1, 4), np.float32)
+    ranks = np.asarray(losses.target_ranks(jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(masks)))
+    np.testing.assert_array_equal(ranks, [[[1, 0, 1, losses.RANK_CAP]]])  # t=0, t=2: the tie at a lower id first
+    np.testing.assert_array_equal(ranks == 0, np.argmax(logits, -1) == targets)  # rank 0 is argmax's hit
+    masks[0, 0, 1] = 0
+    capped = losses.target_ranks(jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(masks), cap=1)
+    np.testing.assert_array_equal(capped, [[[1, 1, 1, 1]]])
+
+
+def test_path_counts_count_every_prefix_up_to_the_first_miss():
+    """Each position a step could start at adds one to each prefix of its targets' ranks, up to the first
+    rank at the cap; positions outside the response's steps add nothing."""
+    cap = losses.RANK_CAP
+    ranks = np.array([[[0, 1, 0, cap, 2, 0]],
+                      [[0, 0, cap, 0, 1, 0]]])  # [K=2, B=1, T=6]
+    loss_mask = np.array([[0, 1, 1, 1, 1, 1]], np.float32)  # steps from t=0 while t+3 is in the response: t <= 2
+    got = losses.path_counts(ranks, loss_mask, 2)
+    assert got == {(0,): 2, (0, 0): 1, (1,): 1, (1, 0): 1}
+    assert losses.path_counts(ranks, loss_mask, 1) == {(0,): 2, (1,): 1}  # t <= 3 now; t=3 misses
 
 
 def test_chain_steps_start_at_the_response_and_stop_before_the_window_runs_out():
@@ -153,6 +201,7 @@ def test_chain_steps_start_at_the_response_and_stop_before_the_window_runs_out()
     loss_mask[0, 3:] = 1
     hits = np.ones((k_heads, 2, 10), bool)
     # t=2 accepts 2 -> t=5 accepts 2 -> t=8: past the last full step (t=6), so two steps.
-    np.testing.assert_array_equal(losses.chain_steps(hits, loss_mask), [0, 0, 2])
+    chain = losses.chain_paths(k_heads)
+    np.testing.assert_array_equal(losses.tree_steps(_ranks_of(hits), loss_mask, chain), [0, 0, 2])
     hits[1, 0, 5] = False  # t=5 now accepts 1 -> t=7, also past t=6
-    np.testing.assert_array_equal(losses.chain_steps(hits, loss_mask), [0, 1, 1])
+    np.testing.assert_array_equal(losses.tree_steps(_ranks_of(hits), loss_mask, chain), [0, 1, 1])

@@ -131,31 +131,39 @@ def continuations(reference, tokenizer):
     return prompts, [p + t for p, t in zip(prompts, out.tokens)]
 
 
-def replayed_accept_hist(base, heads, seqs: list[list[int]], prompt_lens: list[int], max_new: int) -> np.ndarray:
-    """[B, D+1] decoding steps of a chain through every head, replayed (`losses.replay_chain`) from
-    training's teacher-forced drafts over the finished sequences (right-padded into one batch), for a
-    generation of max_new tokens: the prefill writes the first, and steps run until there are max_new."""
+def replayed_accept_hist(base, heads, seqs: list[list[int]], prompt_lens: list[int], max_new: int,
+                         tree) -> np.ndarray:
+    """[B, D+1] decoding steps on static `tree`, replayed (`losses.replay_steps`) from where the data's
+    tokens rank in training's teacher-forced drafts over the finished sequences (right-padded into one
+    batch), for a generation of max_new tokens: the prefill writes the first, and steps run until there
+    are max_new."""
     tokens, _ = right_padded(seqs)
-    _, metrics = train.head_loss(heads, base, {"tokens": tokens, "loss_mask": jnp.ones(tokens.shape)}, with_hits=True)
-    hits = np.asarray(metrics["hits"])
+    _, metrics = train.head_loss(heads, base, {"tokens": tokens, "loss_mask": jnp.ones(tokens.shape)}, with_ranks=True)
+    ranks = np.asarray(metrics["ranks"])
     # A step at position t adds accepted + 1 tokens and moves t as far, so max_new is reached at
     # t = prompt_len - 1 + max_new - 1.
-    return np.stack([losses.replay_chain(hits[:, b], n - 1, n + max_new - 2) for b, n in enumerate(prompt_lens)])
+    paths = frozenset(tree.paths)
+    return np.stack([losses.replay_steps(ranks[:, b], paths, n - 1, n + max_new - 2) for b, n in enumerate(prompt_lens)])
 
 
+@pytest.mark.parametrize("tree", ["chain", "default"])
 @pytest.mark.parametrize("method", methods.BUILT_IN)
-def test_engine_accepts_what_training_drafts(reference, continuations, method):
+def test_engine_accepts_what_training_drafts(reference, continuations, method, tree):
     """The shipped heads accept, step by step in the decoding loop, exactly what their drafts in
     training's evaluation (`train.head_loss`: teacher forced, or EAGLE's training-time test) say they
-    would: the heads' context carried across steps (Augmenting Block cache, the draft models' KV
-    caches, compaction) and the drafting of each depth lose nothing against training. This is
-    also why a chain's acceptance at depth 2 sits under head 2's held-out accuracy: steps start
-    where the previous draft failed, and those positions are harder (docs/benchmarks.md)."""
+    would, on a chain through every head and on the method's paper tree (ranks up to 9 below a node):
+    the heads' context carried across steps (Augmenting Block cache, the draft models' KV caches,
+    compaction) and the drafting of each depth lose nothing against training, and a tree's tokens per
+    step can be replayed from held-out data (`train.evaluate --tree`, `--fit-tree`). This is also why
+    a chain's acceptance at depth 2 sits under head 2's held-out accuracy: steps start where the
+    previous draft failed, and those positions are harder (docs/benchmarks.md)."""
     base = reference[1]
     prompts, seqs = continuations
     heads = load_heads(REF / "heads" / method, base, method)
-    gen = SpeculativeGenerator(base, heads, resolve_tree(f"chain:{heads.num_heads}", method, heads.num_heads))
+    spec = f"chain:{heads.num_heads}" if tree == "chain" else "default"
+    drafted = resolve_tree(spec, method, heads.num_heads)
+    gen = SpeculativeGenerator(base, heads, drafted)
     out = gen.generate(prompts, SIM_NEW, eos_ids=())
-    want = replayed_accept_hist(base, heads, seqs, [len(p) for p in prompts], SIM_NEW)
+    want = replayed_accept_hist(base, heads, seqs, [len(p) for p in prompts], SIM_NEW, drafted)
     np.testing.assert_array_equal(out.accept_hist, want)
     assert out.accept_hist[:, 1:].sum() > 0  # the heads do accept: the comparison is not all zeros

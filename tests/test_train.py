@@ -25,13 +25,14 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
-from clover_jax.checkpoint import held_out_chain_tau, load_heads
+from clover_jax.checkpoint import held_out_chain_tau, load_fitted_tree, load_heads
 from clover_jax.convert import load_pretrained
 from clover_jax.draft_vocab import DraftVocab, token_counts
 from clover_jax.errors import CloverError
 from clover_jax.heads import HeadsConfig, make_heads
 from clover_jax.methods import BUILT_IN as METHODS, HEADS
 from clover_jax.model import causal_self_mask
+from clover_jax.tree import resolve_tree
 from conftest import save_tiny_llama, tiny_tokenizer
 from infer import generate
 from train import evaluate, losses, runs
@@ -288,7 +289,7 @@ def test_held_out_figures_and_token_counts_can_come_from_another_dataset(trained
     heads = load_heads(out, base)
     batch = next(part.eval_batches(32, 2, part.split(0.2)[1]))
     _, want = train.head_loss(heads, base, {k: jnp.asarray(v) for k, v in batch.items() if v is not None},
-                              with_hits=True)
+                              with_ranks=True)
     np.testing.assert_allclose(got["val_loss"], float(want["loss"]), rtol=1e-5)
     np.testing.assert_allclose(got["val_top1"], np.asarray(want["top1"]), rtol=1e-5)
     first = json.loads((out / "heads.json").read_text())["held_out"]
@@ -365,17 +366,17 @@ def other_base(tok, tmp_path_factory):
 @pytest.mark.parametrize("method", METHODS)
 def test_a_loss_vocabulary_of_every_token_is_the_whole_vocabulary_loss(method, trained, model_dir, datasets):
     """--loss-vocab scores heads and base over a subset: with every token in it, in id order, the loss,
-    per-head losses, accuracies and hits are the whole-vocabulary ones (the same computation)."""
+    per-head losses, accuracies and targets' ranks are the whole-vocabulary ones (the same computation)."""
     base = _base(model_dir)
     batch = _batches(datasets[DATA_OF[method]])
     heads = load_heads(trained[method][0], base, method)
     every = DraftVocab.most_frequent(base.lm_head_weight(), None, base.cfg.vocab_size)
-    whole = train.head_loss(heads, base, batch, with_hits=True)
-    subset = train.head_loss(heads, base, batch, with_hits=True, vocab=every)
+    whole = train.head_loss(heads, base, batch, with_ranks=True)
+    subset = train.head_loss(heads, base, batch, with_ranks=True, vocab=every)
     np.testing.assert_allclose(subset[0], whole[0], rtol=1e-5)
     for name in ("head_loss", "top1", "top5"):
         np.testing.assert_allclose(subset[1][name], whole[1][name], rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(subset[1]["hits"], whole[1]["hits"])
+    np.testing.assert_array_equal(subset[1]["ranks"], whole[1]["ranks"])
 
 
 @pytest.mark.parametrize("method", ["medusa", "clover2", "eagle"])
@@ -389,10 +390,10 @@ def test_a_loss_vocabulary_scores_only_its_tokens(method, trained, model_dir, da
     counts = token_counts(np.asarray(batch["tokens"]).ravel(), np.asarray(batch["loss_mask"]).ravel(),
                           base.cfg.vocab_size)
     half = DraftVocab.most_frequent(base.lm_head_weight(), counts, int((counts > 0).sum()) // 2)
-    loss, m = train.head_loss(heads, base, batch, vocab=half, with_hits=True)
+    loss, m = train.head_loss(heads, base, batch, vocab=half, with_ranks=True)
     assert np.isfinite(float(loss)) and float(loss) > 0
     targets, _ = losses.targets_and_masks(batch["tokens"], batch["loss_mask"], heads.num_heads)
-    assert not np.isin(np.asarray(targets)[np.asarray(m["hits"])], np.asarray(half.ids), invert=True).any()
+    assert not np.isin(np.asarray(targets)[np.asarray(m["ranks"]) == 0], np.asarray(half.ids), invert=True).any()
     none = DraftVocab.most_frequent(base.lm_head_weight(), -counts, 8)  # eight tokens the responses never use
     assert not np.isin(np.asarray(none.ids), np.flatnonzero(counts)).any()
     loss, m = train.head_loss(heads, base, batch, vocab=none)
@@ -561,14 +562,43 @@ def test_evaluate_records_the_chain_tau_by_depth_that_auto_picks_its_chain_by(tr
     assert after["evaluated"]["split"] == "all" and after["evaluated"]["data"] == str(datasets["plain"])
 
 
-@pytest.mark.parametrize("case", ["no heads", "another base", "zero batches", "json in no folder"])
+def test_evaluate_fits_a_tree_that_default_then_drafts(trained, model_dir, datasets, tmp_path, capsys):
+    """--tree replays decoding on a static tree (a chain as the held-out chain tau does); --fit-tree N
+    fits an N-node tree, which --record writes beside the heads as tree.json, and `--tree default`
+    (infer.generate's, train.evaluate's) drafts from then on; `paper` stays the method's paper tree."""
+    heads = tmp_path / "clover2"
+    shutil.copytree(trained["clover2"][0], heads)
+    data = ["--base", str(model_dir), "--data", str(datasets["hidden"]), "--split", "all"]
+    capsys.readouterr()
+    assert evaluate.main(["--heads", str(heads), *data, "--tree", f"chain:{NUM_HEADS}", "--tree", "paper",
+                          "--fit-tree", "6", "--record"]) == 0
+    assert "tree fit:6 (6 nodes" in capsys.readouterr().out
+    got = json.loads((heads / "heads.json").read_text())["evaluated"]
+    assert got["val_tree_tau"][f"chain:{NUM_HEADS}"] == got["val_chain_tau"]
+    assert set(got["val_tree_tau"]) == {f"chain:{NUM_HEADS}", "paper", "fit:6"}
+    fitted = load_fitted_tree(heads, NUM_HEADS)
+    assert fitted.num_nodes == 6 and (0,) in fitted.paths
+    base = _base(model_dir)
+    gen = generate.make_generator(base, "clover2", model_path=str(model_dir), heads=str(heads), tree="default")
+    assert gen.tree == fitted
+    assert generate.make_generator(base, "clover2", model_path=str(model_dir), heads=str(heads),
+                                   tree="paper").tree == resolve_tree("paper", "clover2", NUM_HEADS)
+    assert evaluate.main(["--heads", str(heads), *data, "--tree", "default", "--tree", "fitted"]) == 0
+    again = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  tree ")]
+    assert again[0].replace("default", "fitted") == again[1]  # the same tree, the same replay
+
+
+@pytest.mark.parametrize("case", ["no heads", "another base", "zero batches", "json in no folder", "dynamic tree",
+                                  "no fitted tree"])
 def test_evaluate_bad_input_is_one_error_line(case, trained, model_dir, other_base, datasets, tmp_path, capsys):
     out = trained["medusa"][0]
     argv = {"no heads": ["--heads", tmp_path, "--base", model_dir, "--data", datasets["plain"]],
             "another base": ["--heads", out, "--base", other_base, "--data", datasets["plain"]],
             "zero batches": ["--heads", out, "--base", model_dir, "--data", datasets["plain"], "--eval-batches", 0],
             "json in no folder": ["--heads", out, "--base", model_dir, "--data", datasets["plain"],
-                                  "--json", tmp_path / "missing" / "figures.json"]}
+                                  "--json", tmp_path / "missing" / "figures.json"],
+            "dynamic tree": ["--heads", out, "--base", model_dir, "--data", datasets["plain"], "--tree", "dynamic:8"],
+            "no fitted tree": ["--heads", out, "--base", model_dir, "--data", datasets["plain"], "--tree", "fitted"]}
     capsys.readouterr()
     assert evaluate.main([str(a) for a in argv[case]]) == 2
     err = capsys.readouterr().err

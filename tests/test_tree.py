@@ -18,6 +18,7 @@ from clover_jax.tree import (
     auto_tree,
     chain,
     cpu_chain_cost,
+    fit,
     from_widths,
     full,
     resolve_tree,
@@ -99,6 +100,20 @@ def test_chain():
     np.testing.assert_array_equal(t.ancestor_mask, np.tril(np.ones((4, 4), bool)))
     np.testing.assert_array_equal(t.retrieve, [[0, 1, 2, 3]])
     assert t.max_rank == (1, 1, 1) and t.children.shape == (4, 1)
+
+
+def test_fitted_tree_holds_the_most_counted_paths_that_make_a_tree():
+    """The most counted rank paths, each taken once its parent and next better sibling are in: (2,) is
+    counted more than (1,) but waits for it; depth and node budget are kept; uncounted paths fill a
+    budget the counts cannot, shallow and best-ranked first."""
+    counts = {(0,): 50, (1,): 20, (2,): 25, (0, 0): 30, (0, 1): 5, (1, 0): 10, (0, 0, 0): 12}
+    assert fit(counts, 6, 3).paths == ((0,), (1,), (2,), (0, 0), (0, 0, 0))
+    assert fit(counts, 7, 3).paths == ((0,), (1,), (2,), (0, 0), (1, 0), (0, 0, 0))
+    assert fit(counts, 7, 2).paths == ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0))
+    assert fit(counts, 3, 3).paths == ((0,), (0, 0))
+    assert fit({}, 4, 2).paths == ((0,), (1,), (2,))
+    with pytest.raises(CloverError, match="at least 2 nodes"):
+        fit(counts, 1, 3)
 
 
 def test_full_and_widths():
@@ -235,6 +250,22 @@ def test_resolve_tree_specs(tmp_path):
     assert resolve_tree(str(f), "clover", 3) == Tree.from_paths(SMALL)
     assert resolve_tree("auto", "clover2", 5) == chain(5)  # the suite runs on a CPU
     assert auto_tree(5, "cpu") == "chain:5" and auto_tree(4, "gpu") == auto_tree(4, "tpu") == "default"
+
+
+def test_default_is_the_heads_fitted_tree_where_they_ship_one():
+    """Heads with a fitted tree (tree.json) draft it by default and by `fitted`; `paper` is the method's
+    paper tree whatever the heads ship; the fitted tree is checked against the heads like any other."""
+    fitted = Tree.from_paths(SMALL)
+    assert resolve_tree(None, "clover2", 5, fitted_tree=fitted) == fitted
+    assert resolve_tree(" default", "clover2", 5, fitted_tree=fitted) == fitted
+    assert resolve_tree("fitted", "clover2", 5, fitted_tree=fitted) == fitted
+    assert resolve_tree("paper", "clover2", 5, fitted_tree=fitted) == DEFAULT_TREES["clover2"]
+    assert resolve_tree("paper", "clover", 3) == resolve_tree("default", "clover", 3) == DEFAULT_TREES["clover"]
+    assert resolve_tree("chain:2", "clover2", 5, fitted_tree=fitted) == chain(2)
+    with pytest.raises(CloverError, match="no fitted tree"):
+        resolve_tree("fitted", "clover2", 5)
+    with pytest.raises(CloverError, match="more than the 2 heads"):
+        resolve_tree("default", "clover2", 2, fitted_tree=fitted)
 
 
 def test_auto_on_a_cpu_picks_the_chain_depth_the_held_out_tau_says_is_fastest():

@@ -6,6 +6,13 @@ Prints the held-out figures train.train records (loss, each head's top-1 and top
 tau through the first 1, 2, ... heads) for heads as they are stored, on another dataset or split than
 they were trained with. Heads exported before train.train recorded the chain tau per depth can gain
 it with `--record`, which `--tree auto` on a CPU then picks its chain depth by.
+
+`--tree SPEC` also replays decoding on a static tree, exactly as the engine steps greedy, and
+`--fit-tree N` fits an N-node tree to where the heads' drafts hit on the data (`clover_jax.tree.fit`);
+with `--record` it becomes the heads' tree.json, which `--tree default` drafts from then on:
+
+    python -m train.evaluate --heads models/smollm2/heads/clover2 --base smollm2 --data DATA \
+        --tree paper --fit-tree 26 --record
 """
 
 from __future__ import annotations
@@ -17,15 +24,18 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from clover_jax import cli
-from clover_jax.checkpoint import CONFIG, load_heads, load_token_counts, read_heads_config
+from clover_jax.checkpoint import CONFIG, TREE, load_fitted_tree, load_heads, load_token_counts, read_heads_config
 from clover_jax.convert import load_pretrained
 from clover_jax.draft_vocab import DraftVocab
 from clover_jax.errors import CloverError
 from clover_jax.files import write_text
+from clover_jax.tree import Tree, fit, resolve_tree
 from train import losses
+from train.losses import tau_of
 from train import train
 from train.train import head_loss, on_devices, open_dataset, stores_features
 
@@ -56,9 +66,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="score over the N most frequent tokens of the counts beside the heads, 0 for the whole "
                         "vocabulary (default: the heads' training --loss-vocab); accuracies count a target "
                         "outside it as a miss, as decoding's draft vocabulary does")
+    p.add_argument("--tree", action="append", default=[], metavar="SPEC",
+                   help="also replay decoding's steps on this static tree (as --tree of infer.generate: default, "
+                        "chain:D, widths:..., a JSON file; repeatable) and report its tokens per step")
+    p.add_argument("--fit-tree", type=int, metavar="N",
+                   help="fit a static tree of N nodes (root included) to where the heads' drafts hit on this data "
+                        "(the rank paths that draft the data's tokens most often) and replay it beside the trees "
+                        f"of --tree; --tree-out writes it, and --record writes it beside the heads as {TREE}, "
+                        "which --tree default then drafts in place of the method's paper tree")
+    p.add_argument("--tree-out", metavar="FILE",
+                   help="write --fit-tree's tree to this JSON file (for --tree FILE of infer.generate and "
+                        "infer.benchmark)")
     p.add_argument("--record", action="store_true",
                    help=f"also write the figures into the heads' {CONFIG} as '{RECORD}' (with the data and "
-                        "settings), beside train.train's own 'held_out', which is kept")
+                        f"settings), beside train.train's own 'held_out', which is kept; and --fit-tree's tree "
+                        f"as their {TREE}")
     p.add_argument("--json", metavar="FILE", help="also write the figures and settings to this JSON file")
     cli.add_compile_cache_flag(p)
     return p
@@ -75,6 +97,34 @@ def settings(args, trained: dict) -> dict:
     if out["loss_vocab"] < 0:
         raise CloverError("--loss-vocab must be >= 0 (0: the whole vocabulary)")
     return out
+
+
+def replayed_trees(args, heads, kept: list) -> dict:
+    """The trees of --tree, and the one --fit-tree fits (written to --tree-out, or with --record beside
+    the heads), replayed over the kept ranks: {"val_tree_tau": {spec: tokens per step}} (empty without
+    either flag). The fit counts where the drafts hit over every position a step could start at."""
+    fitted = load_fitted_tree(args.heads, heads.num_heads)
+    trees = {spec: resolve_tree(spec, heads.hcfg.method, heads.num_heads, fitted_tree=fitted) for spec in args.tree}
+    if args.fit_tree:
+        counts = {}
+        for ranks, loss_mask in kept:
+            losses.path_counts(ranks, loss_mask, heads.num_heads, counts)
+        tree = fit(counts, args.fit_tree, heads.num_heads)
+        saved = {"paths": [list(p) for p in tree.paths], "fitted_on": args.data, "split": args.split}
+        for out in [args.tree_out] * bool(args.tree_out) + [Path(args.heads) / TREE] * args.record:
+            write_text(out, json.dumps(saved) + "\n")
+            print(f"fitted tree ({tree.num_nodes} nodes, depth {tree.max_depth}) written to {out}", file=sys.stderr)
+        trees[f"fit:{args.fit_tree}"] = tree
+    taus = {}
+    for spec, tree in trees.items():
+        if not isinstance(tree, Tree):
+            raise CloverError(f"--tree {spec}: a dynamic tree is chosen per step from the heads' probabilities, "
+                              "so it cannot be replayed from where the data's tokens rank; name a static tree")
+        hist = sum(losses.tree_steps(ranks, loss_mask, frozenset(tree.paths)) for ranks, loss_mask in kept)
+        taus[spec] = tau_of(hist)
+        print(f"  tree {spec} ({tree.num_nodes} nodes, depth {tree.max_depth}): tokens per step {taus[spec]:.3f}, "
+              f"steps accepting 0, 1, ... drafts {np.round(hist / hist.sum(), 3).tolist()}")
+    return {"val_tree_tau": taus} if taus else {}
 
 
 def run(args) -> int:
@@ -100,21 +150,23 @@ def run(args) -> int:
     @jax.jit
     def evaluate(p, bp, batch):
         heads_now, base_now = nnx.merge(graphdef, p, fixed), nnx.merge(base_graphdef, bp)
-        return head_loss(heads_now, base_now, batch, with_hits=True, vocab=vocab)[1]
+        return head_loss(heads_now, base_now, batch, with_ranks=True, vocab=vocab)[1]
 
     stored_features = stores_features(data, heads)
 
     def batch_metrics(batch):
         return evaluate(params, base_params, on_devices(batch, jnp.asarray, stored_features))
 
+    kept = []
     figures = losses.held_out_figures(batch_metrics, data.eval_batches(s["seq_len"], s["batch_size"], indices),
-                                      s["eval_batches"])
+                                      s["eval_batches"], kept)
     if not figures:
         raise CloverError(f"{args.data}: no example in its {args.split} split to measure")
     report = {"data": args.data, "split": args.split, **s, **figures}  # the data as named, like "training"
     print(f"{meta['heads']['method']} heads in {args.heads} on {args.data} ({args.split}): "
           f"loss {figures['val_loss']:.4f}, top-1 per head {[round(a, 3) for a in figures['val_top1']]}, "
           f"chain tau through 1, 2, ... heads {[round(t, 3) for t in figures['val_chain_tau_by_depth']]}")
+    report.update(replayed_trees(args, heads, kept))
     if args.json:
         write_text(args.json, json.dumps(report, indent=2) + "\n")
     if args.record:

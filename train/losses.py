@@ -6,8 +6,9 @@ distribution): 10 * SmoothL1 between the head's lm_head input and the base model
 there, plus the soft cross-entropy against the base model's softmax. Head k is weighted 0.7^k; only
 targets inside the response (loss mask) and inside the sequence count.
 
-`chain_steps` replays decoding's steps over the same teacher-forced drafts, which gives the tokens per
-step a chain through every head will reach; per-head accuracy overstates it (docs/benchmarks.md).
+`tree_steps` replays decoding's steps over the same teacher-forced drafts (where each target ranks,
+`target_ranks`), which gives the tokens per step a chain through every head, or any static tree, will
+reach; per-head accuracy overstates it (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -155,37 +156,81 @@ def topk_accuracy(head_logits: jax.Array, targets: jax.Array, masks: jax.Array, 
     return jax.vmap(masked_mean)(hit, masks)
 
 
-def top1_hits(head_logits: jax.Array, targets: jax.Array, masks: jax.Array) -> jax.Array:
-    """[K, B, T] bool: head k's top-1 draft at position t is the data's token t+2+k, and counted."""
-    return (jnp.argmax(head_logits, axis=-1) == targets) & (masks > 0)
+RANK_CAP = 64  # a target ranked this low or lower is a miss: no tree drafts that many children of one node
 
 
-def replay_chain(hits: np.ndarray, start: int, stop: int) -> np.ndarray:
-    """[K+1] counts of decoding steps accepting 0..K drafts on a chain through K heads, replayed over one
-    sequence from its teacher-forced hits [K, T]. A step at position t (its root being token t+1)
-    accepts the leading run of hits[:, t]; the next step's root is the bonus token that follows them,
-    so it sits at t + accepted + 1. Steps run while start <= t < stop."""
-    hist = np.zeros(hits.shape[0] + 1, np.int64)
+def target_ranks(head_logits: jax.Array, targets: jax.Array, masks: jax.Array, cap: int = RANK_CAP) -> jax.Array:
+    """[K, B, T] int32: where the data's token t+2+k ranks in head k's logits at position t (0: the top-1
+    draft; ties go to the lower token id, as argmax and top_k break them); `cap` where the target is not
+    counted (mask), lies outside the scored vocabulary (target < 0) or ranks `cap` or lower. A tree node
+    whose path of child ranks equals these ranks drafts exactly the data's tokens."""
+    safe = jnp.maximum(targets, 0)[..., None]
+    target_logit = jnp.take_along_axis(head_logits, safe, axis=-1)
+    ids = jnp.arange(head_logits.shape[-1])
+    ahead = (head_logits > target_logit) | ((head_logits == target_logit) & (ids < safe))
+    rank = jnp.sum(ahead, axis=-1, dtype=jnp.int32)
+    return jnp.where((masks > 0) & (targets >= 0) & (rank < cap), rank, cap)
+
+
+def chain_paths(depth: int) -> frozenset:
+    """A chain through `depth` heads as a set of rank paths: (0,), (0, 0), ..."""
+    return frozenset((0,) * d for d in range(1, depth + 1))
+
+
+def replay_steps(ranks: np.ndarray, paths: frozenset, start: int, stop: int) -> np.ndarray:
+    """[D+1] counts of decoding steps accepting 0..D drafts on the static tree `paths` (rank tuples, D the
+    deepest), replayed over one sequence from its teacher-forced ranks [K >= D, T]. A step at position t
+    (its root being token t+1) accepts the deepest node whose path is the run ranks[:d, t]: the only
+    node of each depth that drafts the data's tokens. The next step's root is the bonus token that
+    follows them, so it sits at t + accepted + 1. Steps run while start <= t < stop."""
+    depth = max(map(len, paths))
+    hist = np.zeros(depth + 1, np.int64)
     t = start
     while t < stop:
-        accepted = int(np.cumprod(hits[:, t]).sum())
+        accepted = 0
+        while accepted < depth and tuple(ranks[: accepted + 1, t].tolist()) in paths:
+            accepted += 1
         hist[accepted] += 1
         t += accepted + 1
     return hist
 
 
-def chain_steps(hits: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
-    """[K+1] `replay_chain` counts summed over a batch of windows (hits [K, B, T] from `top1_hits`,
-    loss_mask [B, T]): each row's steps start at its first response token as the root and stop where
-    the deepest head's target leaves the response, so no step is cut short by the window's end."""
-    k_heads = hits.shape[0]
-    total = np.zeros(k_heads + 1, np.int64)
+def _response_steps(loss_mask_row: np.ndarray, depth: int) -> tuple[int, int] | None:
+    """(start, stop) of a row's steps for a tree `depth` deep: from its first response token as the root
+    until the deepest draft's target leaves the response, so no step is cut short by the window's end."""
+    roots = np.flatnonzero(loss_mask_row[1:])  # positions t whose root, token t+1, is a response token
+    full = np.flatnonzero(loss_mask_row[depth + 1:])  # positions t whose deepest target, t+1+depth, is one
+    return (int(roots[0]), int(full[-1]) + 1) if len(roots) and len(full) else None
+
+
+def tree_steps(ranks: np.ndarray, loss_mask: np.ndarray, paths: frozenset) -> np.ndarray:
+    """[D+1] `replay_steps` counts summed over a batch of windows (ranks [K, B, T] from `target_ranks`,
+    loss_mask [B, T])."""
+    depth = max(map(len, paths))
+    total = np.zeros(depth + 1, np.int64)
     for b, row in enumerate(np.asarray(loss_mask) > 0):
-        roots = np.flatnonzero(row[1:])  # positions t whose root, token t+1, is a response token
-        full = np.flatnonzero(row[k_heads + 1:])  # positions t whose deepest target, t+1+K, is one
-        if len(roots) and len(full):
-            total += replay_chain(hits[:, b], int(roots[0]), int(full[-1]) + 1)
+        span = _response_steps(row, depth)
+        if span:
+            total += replay_steps(ranks[:, b], paths, *span)
     return total
+
+
+def path_counts(ranks: np.ndarray, loss_mask: np.ndarray, depth: int, counts: dict | None = None) -> dict:
+    """How often each rank path (up to `depth` deep) drafts the data's tokens, over every position a step
+    could start at: at position t, the prefixes of ranks[:, t] up to its first miss. Summed into and
+    returned as `counts` {path tuple: count}, what `clover_jax.tree.fit` builds a tree from."""
+    counts = {} if counts is None else counts
+    for b, row in enumerate(np.asarray(loss_mask) > 0):
+        span = _response_steps(row, depth)
+        if not span:
+            continue
+        for column in ranks[:depth, b, span[0]:span[1]].T.tolist():
+            for d in range(depth):
+                if column[d] >= RANK_CAP:
+                    break
+                path = tuple(column[: d + 1])
+                counts[path] = counts.get(path, 0) + 1
+    return counts
 
 
 def tau_of(hist: np.ndarray) -> float:
@@ -193,19 +238,22 @@ def tau_of(hist: np.ndarray) -> float:
     return float(1 + hist @ np.arange(len(hist)) / max(hist.sum(), 1))
 
 
-def held_out_figures(batch_metrics, batches, limit: int) -> dict:
+def held_out_figures(batch_metrics, batches, limit: int, kept: list | None = None) -> dict:
     """The held-out figures train.train records and train.evaluate measures: over the first `limit` of
     `batches`, the mean loss, each head's top-1 and top-5 accuracy, and the chain tau of chains through
     the first 1, 2, ... heads (decoding's steps replayed over the responses). `batch_metrics(batch)`
-    gives `head_loss`'s metrics with hits. Empty when there is no batch."""
+    gives `head_loss`'s metrics with ranks. Each batch's (ranks, loss mask) on the host is appended to
+    `kept` when given, for replaying trees afterwards. Empty when there is no batch."""
     sums, n, steps = None, 0, {}
     for i, batch in enumerate(batches):
         if i >= limit:
             break
         m = batch_metrics(batch)
-        hits = to_host(m.pop("hits"))
-        for depth in range(1, len(hits) + 1):  # a chain through the first `depth` heads
-            steps[depth] = steps.get(depth, 0) + chain_steps(hits[:depth], batch["loss_mask"])
+        ranks = to_host(m.pop("ranks"))
+        for depth in range(1, len(ranks) + 1):  # a chain through the first `depth` heads
+            steps[depth] = steps.get(depth, 0) + tree_steps(ranks, batch["loss_mask"], chain_paths(depth))
+        if kept is not None:
+            kept.append((ranks, np.asarray(batch["loss_mask"])))
         m = jax.device_get(m)
         sums = m if sums is None else jax.tree.map(np.add, sums, m)
         n += 1

@@ -102,10 +102,11 @@ def on_devices(batch: dict, place, features: bool) -> dict:
     return {k: place(v) for k, v in batch.items() if v is not None and (k != "features" or features)}
 
 
-def head_loss(heads: Drafter, base: Llama, batch: dict, with_hits: bool = False, key: jax.Array | None = None,
+def head_loss(heads: Drafter, base: Llama, batch: dict, with_ranks: bool = False, key: jax.Array | None = None,
               vocab: DraftVocab | None = None, steps: int | None = None):
     """(loss, metrics) of one batch: the method's loss plus per-head losses and top-1/top-5 accuracy;
-    `with_hits` adds each head's top-1 hits [K, B, T] (`losses.top1_hits`), which evaluation replays.
+    `with_ranks` adds where each target ranks in its head's logits [K, B, T] (`losses.target_ranks`),
+    which evaluation replays decoding's steps from.
     `key`: a training step's randomness (EAGLE-1's feature noise); None in evaluation.
 
     `vocab` (a loss vocabulary, `--loss-vocab`): heads and base model are scored over its N tokens
@@ -132,8 +133,8 @@ def head_loss(heads: Drafter, base: Llama, batch: dict, with_hits: bool = False,
     metrics = {"loss": loss, "head_loss": per_head,
                "top1": losses.topk_accuracy(head_logits, targets, masks, 1),
                "top5": losses.topk_accuracy(head_logits, targets, masks, 5)}
-    if with_hits:
-        metrics["hits"] = losses.top1_hits(head_logits, targets, masks)
+    if with_ranks:
+        metrics["ranks"] = losses.target_ranks(head_logits, targets, masks)
     return loss, metrics
 
 
@@ -294,9 +295,9 @@ def run(args) -> int:
               "each step runs the base model for them (train.make_data --store-hidden float16 --store-features "
               "stores them)", file=sys.stderr)
 
-    def loss_on(p, bp, batch, with_hits=False, key=None, steps=None):
+    def loss_on(p, bp, batch, with_ranks=False, key=None, steps=None):
         return head_loss(nnx.merge(head_graphdef, p, fixed), nnx.merge(base_graphdef, jax.lax.stop_gradient(bp)),
-                         batch, with_hits, key, loss_vocab, steps)
+                         batch, with_ranks, key, loss_vocab, steps)
 
     trained_steps = methods.get(args.method).trained_steps
 
@@ -307,7 +308,7 @@ def run(args) -> int:
         updates, opt_state = optimizer.update(grads, opt_state, p)
         return optax.apply_updates(p, updates), opt_state, metrics
 
-    evaluate = jax.jit(lambda p, bp, batch: loss_on(p, bp, batch, with_hits=True)[1])
+    evaluate = jax.jit(lambda p, bp, batch: loss_on(p, bp, batch, with_ranks=True)[1])
 
     place = jnp.asarray if mesh is None else (lambda x: put_batch(x, mesh))
 
