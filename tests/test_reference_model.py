@@ -146,7 +146,7 @@ def replayed_accept_hist(base, heads, seqs: list[list[int]], prompt_lens: list[i
     return np.stack([losses.replay_steps(ranks[:, b], paths, n - 1, n + max_new - 2) for b, n in enumerate(prompt_lens)])
 
 
-@pytest.mark.parametrize("tree", ["chain", "default"])
+@pytest.mark.parametrize("tree", ["chain", "paper"])
 @pytest.mark.parametrize("method", methods.BUILT_IN)
 def test_engine_accepts_what_training_drafts(reference, continuations, method, tree):
     """The shipped heads accept, step by step in the decoding loop, exactly what their drafts in
@@ -160,7 +160,7 @@ def test_engine_accepts_what_training_drafts(reference, continuations, method, t
     base = reference[1]
     prompts, seqs = continuations
     heads = load_heads(REF / "heads" / method, base, method)
-    spec = f"chain:{heads.num_heads}" if tree == "chain" else "default"
+    spec = f"chain:{heads.num_heads}" if tree == "chain" else "paper"
     drafted = resolve_tree(spec, method, heads.num_heads)
     gen = SpeculativeGenerator(base, heads, drafted)
     out = gen.generate(prompts, SIM_NEW, eos_ids=())

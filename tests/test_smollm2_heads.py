@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from clover_jax import cli, methods, sources
-from clover_jax.checkpoint import (base_fingerprint, held_out_chain_tau, load_draft_vocab, load_token_counts,
-                                   read_heads_config)
+from clover_jax.checkpoint import (base_fingerprint, held_out_chain_tau, load_draft_vocab, load_fitted_tree,
+                                   load_token_counts, read_heads_config)
 from clover_jax.convert import load_pretrained
 from clover_jax.draft_vocab import AUTO_MASS_COVERAGE
 from clover_jax.decode import Generator
-from clover_jax.tree import PLAIN, auto_tree
+from clover_jax.tree import PLAIN, auto_tree, resolve_tree
 from infer import generate
 
 pytestmark = pytest.mark.optimized  # its time goes into running programs, not compiling them
@@ -41,18 +41,31 @@ def plain_answers(smollm2):
 @pytest.mark.parametrize("method", methods.BUILT_IN)
 def test_shipped_heads_decode_exactly_as_plain_decoding(method, smollm2, plain_answers):
     """`--model smollm2 --method M` finds its shipped heads; greedy, they write plain decoding's tokens:
-    batch 1 on the method's paper tree, batch 4 on a chain through every head, from the draft vocabulary.
+    batch 1 on the tree fitted to them (their default), batch 4 on a chain through every head, from the draft vocabulary.
     (This way round, not the other: Medusa's 64-node tree at batch 4 verifies 256 rows a step, and its 24
     tokens took 10 s of a 35-second test on this CPU.)"""
     model, _ = smollm2
     ids, plain = plain_answers
     tree = generate.make_generator(model, method, model_path="smollm2", tree="default", max_len=256)
+    assert tree.tree == load_fitted_tree(SHIPPED / method, methods.get(method).depth)  # the heads' own tree
     out = tree.generate(ids[:1], 24, eos_ids=())
     assert out.tokens == plain[:1]
     assert out.steps < 24  # the heads draft something a real answer accepts
     depth = methods.get(method).depth
     chain = generate.make_generator(model, method, model_path="smollm2", tree=f"chain:{depth}", max_len=256)
     assert chain.generate(ids, 24, eos_ids=()).tokens == plain
+
+
+@pytest.mark.parametrize("method", methods.BUILT_IN)
+def test_shipped_heads_draft_a_tree_fitted_to_them_of_their_paper_trees_size(method):
+    """Each method's shipped tree.json (`train.evaluate --fit-tree N --record` on round 5's held-out
+    split, MODEL_CARD.md) has as many nodes as the method's paper tree, and replayed on that split it
+    accepts more than the paper tree, by what heads.json recorded."""
+    depth = methods.get(method).depth
+    fitted, paper = load_fitted_tree(SHIPPED / method, depth), resolve_tree("paper", method, depth)
+    assert fitted is not None and fitted.num_nodes == paper.num_nodes and fitted != paper
+    taus = read_heads_config(SHIPPED / method)["evaluated"]["val_tree_tau"]
+    assert taus[f"fit:{paper.num_nodes}"] > taus["paper"] > 1
 
 
 def test_shipped_heads_are_smollm2s_and_fit_their_budget(smollm2):
