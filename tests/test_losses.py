@@ -164,6 +164,9 @@ def test_replay_on_a_tree_accepts_the_deepest_node_drafting_the_data():
     np.testing.assert_array_equal(losses.replay_steps(ranks, paths, 0, 8), [1, 0, 3])
     # From t=2: (0, 3) has no node -> accepts 1 -> t=4 -> t=7 -> done.
     np.testing.assert_array_equal(losses.replay_steps(ranks, paths, 2, 8), [0, 1, 2])
+    # A rank at the cap is a miss, even under a tree with a node of that rank.
+    wide = frozenset((r,) for r in range(losses.RANK_CAP + 1))
+    np.testing.assert_array_equal(losses.replay_steps(np.array([[losses.RANK_CAP, 0]]), wide, 0, 2), [1, 1])
 
 
 def test_target_ranks_by_hand():

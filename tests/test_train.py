@@ -589,7 +589,8 @@ def test_evaluate_fits_a_tree_that_default_then_drafts(trained, model_dir, datas
 
 
 @pytest.mark.parametrize("case", ["no heads", "another base", "zero batches", "json in no folder", "dynamic tree",
-                                  "no fitted tree"])
+                                  "no fitted tree", "tree out in no folder", "tree out without a fit",
+                                  "a one-node tree"])
 def test_evaluate_bad_input_is_one_error_line(case, trained, model_dir, other_base, datasets, tmp_path, capsys):
     out = trained["medusa"][0]
     argv = {"no heads": ["--heads", tmp_path, "--base", model_dir, "--data", datasets["plain"]],
@@ -598,7 +599,12 @@ def test_evaluate_bad_input_is_one_error_line(case, trained, model_dir, other_ba
             "json in no folder": ["--heads", out, "--base", model_dir, "--data", datasets["plain"],
                                   "--json", tmp_path / "missing" / "figures.json"],
             "dynamic tree": ["--heads", out, "--base", model_dir, "--data", datasets["plain"], "--tree", "dynamic:8"],
-            "no fitted tree": ["--heads", out, "--base", model_dir, "--data", datasets["plain"], "--tree", "fitted"]}
+            "no fitted tree": ["--heads", out, "--base", model_dir, "--data", datasets["plain"], "--tree", "fitted"],
+            "tree out in no folder": ["--heads", out, "--base", model_dir, "--data", datasets["plain"], "--fit-tree", 4,
+                                      "--tree-out", tmp_path / "missing" / "tree.json"],
+            "tree out without a fit": ["--heads", out, "--base", model_dir, "--data", datasets["plain"],
+                                       "--tree-out", tmp_path / "tree.json"],
+            "a one-node tree": ["--heads", out, "--base", model_dir, "--data", datasets["plain"], "--fit-tree", 1]}
     capsys.readouterr()
     assert evaluate.main([str(a) for a in argv[case]]) == 2
     err = capsys.readouterr().err

@@ -129,8 +129,11 @@ def replayed_trees(args, heads, kept: list) -> dict:
 
 def run(args) -> int:
     cli.use_compile_cache(args.compile_cache)
-    if args.json and not Path(args.json).resolve().parent.is_dir():
-        raise CloverError(f"--json {args.json}: its folder does not exist; create it or write elsewhere")
+    for flag, path in (("--json", args.json), ("--tree-out", args.tree_out)):
+        if path and not Path(path).resolve().parent.is_dir():
+            raise CloverError(f"{flag} {path}: its folder does not exist; create it or write elsewhere")
+    if args.tree_out and not args.fit_tree:
+        raise CloverError("--tree-out writes the tree --fit-tree N fits; add --fit-tree N")
     meta = read_heads_config(args.heads)
     s = settings(args, meta.get("training") or {})
     _, base = load_pretrained(cli.model_dir(args.base), dtype=jnp.float32)

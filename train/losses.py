@@ -181,14 +181,15 @@ def replay_steps(ranks: np.ndarray, paths: frozenset, start: int, stop: int) -> 
     """[D+1] counts of decoding steps accepting 0..D drafts on the static tree `paths` (rank tuples, D the
     deepest), replayed over one sequence from its teacher-forced ranks [K >= D, T]. A step at position t
     (its root being token t+1) accepts the deepest node whose path is the run ranks[:d, t]: the only
-    node of each depth that drafts the data's tokens. The next step's root is the bonus token that
+    node of each depth that drafts the data's tokens (none past a rank at RANK_CAP, a miss). The next step's root is the bonus token that
     follows them, so it sits at t + accepted + 1. Steps run while start <= t < stop."""
     depth = max(map(len, paths))
     hist = np.zeros(depth + 1, np.int64)
     t = start
     while t < stop:
         accepted = 0
-        while accepted < depth and tuple(ranks[: accepted + 1, t].tolist()) in paths:
+        while (accepted < depth and ranks[accepted, t] < RANK_CAP
+               and tuple(ranks[: accepted + 1, t].tolist()) in paths):
             accepted += 1
         hist[accepted] += 1
         t += accepted + 1
