@@ -146,6 +146,7 @@ class GenerationOutput:
     run_seconds: float
     sequence_steps: list[int] = dataclasses.field(default_factory=list)  # forward passes each sequence took
     accept_hist: np.ndarray | None = None  # [B, D+1] speculative steps accepting d drafted tokens
+    node_hits: np.ndarray | None = None  # [B, N] speculative steps whose accepted path holds node i (static trees)
     state: object = None  # final device state, for further statistics (filler rows included)
 
     @property
@@ -226,10 +227,11 @@ class Generator:
         """Cache slots needed past the last kept token (a speculative step writes a whole tree)."""
         return 0
 
-    def statistics(self, state) -> tuple[DecodeState, np.ndarray, np.ndarray | None]:
+    def statistics(self, state):
         """(the program's final `DecodeState`, forward passes per sequence [B], steps that accepted d
-        drafted tokens [B, D+1] or None): one token per pass here."""
-        return state, to_host(state.num_new), None
+        drafted tokens [B, D+1] or None, steps whose accepted path held tree node i [B, N] or None): one
+        token per pass here."""
+        return state, to_host(state.num_new), None, None
 
     def prepare(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                 sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
@@ -341,7 +343,7 @@ class Generator:
         run_s = time.perf_counter() - t0
         if self._listener_error is not None:
             raise self._listener_error
-        plain, seq_steps, hist = self.statistics(state)
+        plain, seq_steps, hist, hits = self.statistics(state)
         if not bool(np.all(to_host(plain.finite))):
             raise CloverError("the model produced non-finite logits (NaN/Inf); check the weights, or try --dtype float32")
         num = to_host(plain.num_new)[:rows]
@@ -349,4 +351,5 @@ class Generator:
         tokens = [toks[i, : num[i]].tolist() for i in range(rows)]
         return GenerationOutput(tokens=tokens, steps=int(to_host(plain.step)) + 1, compile_seconds=compile_s,
                                 run_seconds=run_s, sequence_steps=np.asarray(seq_steps)[:rows].tolist(),
-                                accept_hist=None if hist is None else hist[:rows], state=state)
+                                accept_hist=None if hist is None else hist[:rows],
+                                node_hits=None if hits is None else hits[:rows], state=state)

@@ -68,6 +68,7 @@ class SpecState:
     # the tree's root: the base model's next token, emitted but not yet in the cache
     draft: object  # the drafter's own state (`Drafter.init`)
     accept_hist: jax.Array  # [B, D + 1] speculative steps that accepted d drafted tokens, per sequence
+    node_hits: jax.Array | None  # [B, N] speculative steps whose accepted path holds node i (static trees)
     plain_steps: jax.Array  # [B] steps a sequence took without drafting (pacing)
     gain: jax.Array  # [] running mean of drafted tokens accepted per speculative step (pacing)
     idle: jax.Array  # [] plain steps since the last speculative one (pacing)
@@ -188,7 +189,9 @@ def generate_speculative(graphdefs: SpecGraph, params: SpecParams, prompts, prom
         cache=out.cache, tokens=jnp.zeros((b, max_new + depth + 1), jnp.int32), num_new=jnp.zeros((b,), jnp.int32),
         last=root, done=budgets <= 0, finite=jnp.isfinite(logits).all(-1), keys=keys, step=jnp.zeros((), jnp.int32))
     state = SpecState(plain=plain.append(root[:, None], jnp.ones((b,), jnp.int32), budgets, eos_ids), draft=draft,
-                      accept_hist=jnp.zeros((b, depth + 1), jnp.int32), plain_steps=jnp.zeros((b,), jnp.int32),
+                      accept_hist=jnp.zeros((b, depth + 1), jnp.int32),
+                      node_hits=None if isinstance(tree, DynamicTree) else jnp.zeros((b, tree.num_nodes), jnp.int32),
+                      plain_steps=jnp.zeros((b,), jnp.int32),
                       gain=jnp.asarray(0.0 if step_cost is None else step_cost - 1.0, jnp.float32),
                       idle=jnp.zeros((), jnp.int32))
     if step_cost is not None:
@@ -231,6 +234,8 @@ def generate_speculative(graphdefs: SpecGraph, params: SpecParams, prompts, prom
         on_path = lambda x: None if x is None else jnp.take_along_axis(x, path.reshape(b, -1, *(1,) * (x.ndim - 2)), 1)
         new = Committed(on_path(out.hidden), on_path(out.hidden_normed), emitted, on_path(out.features))
         hist = s.accept_hist + jax.nn.one_hot(accepted, depth + 1, dtype=jnp.int32) * live[:, None]
+        if s.node_hits is not None:  # the accepted path's nodes, root included
+            s = s.replace(node_hits=s.node_hits + (st.at(st.ancestors, best) & live[:, None]).astype(jnp.int32))
         mean = jnp.sum(jnp.where(live, accepted, 0)) / jnp.maximum(jnp.sum(live), 1)
         s = s.replace(draft=drafter.commit(base, draft, new, count, live), accept_hist=hist,
                       gain=(1 - GAIN_WEIGHT) * s.gain + GAIN_WEIGHT * mean, idle=jnp.zeros((), jnp.int32))
@@ -316,7 +321,8 @@ class SpeculativeGenerator(Generator):
         # The tree's N slots, or the drafter's draft slots when it drafts more (a dynamic tree's beam).
         return max(self.tree.num_nodes, self.tree.draft_slots) + self.tree.max_depth + 1
 
-    def statistics(self, state: SpecState) -> tuple[DecodeState, np.ndarray, np.ndarray | None]:
+    def statistics(self, state: SpecState):
         num, hist = to_host(state.plain.num_new), to_host(state.accept_hist)
+        hits = None if state.node_hits is None else to_host(state.node_hits)
         # The prefill's forward pass yields each sequence's first token; paced plain steps one each.
-        return state.plain, np.where(num > 0, hist.sum(-1) + to_host(state.plain_steps) + 1, 0), hist
+        return state.plain, np.where(num > 0, hist.sum(-1) + to_host(state.plain_steps) + 1, 0), hist, hits

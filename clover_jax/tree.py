@@ -24,6 +24,7 @@ import numpy as np
 
 from clover_jax import methods
 from clover_jax.errors import CloverError
+from clover_jax.files import write_text
 
 # The ancestor mask is N x N and the verifier runs all N nodes in one forward: past this it is no tree
 # anyone would verify in one step, and `full:10x5` would silently allocate gigabytes.
@@ -162,6 +163,11 @@ class Tree:
             data = data["paths"]
         return cls.from_paths(data, max_depth)
 
+    def to_file(self, path, **about) -> None:
+        """Write `{"paths": [...], **about}` (what `from_file` reads; `about` says where it came from),
+        whole or not at all."""
+        write_text(path, json.dumps({"paths": [list(p) for p in self.paths], **about}) + "\n")
+
 
 def _validate(paths, max_depth: int | None) -> tuple[tuple[int, ...], ...]:
     """Check the paths and return them as tuples in canonical (depth, lexicographic) order."""
@@ -225,7 +231,7 @@ def from_widths(widths) -> Tree:
     return Tree.from_paths(paths)
 
 
-def fit(counts: dict, num_nodes: int, max_depth: int) -> Tree:
+def fit(counts: dict, num_nodes: int, max_depth: int, within: Tree | None = None) -> Tree:
     """The static tree of `num_nodes` nodes (root included), at most `max_depth` deep, whose nodes draft
     the data's tokens most often, by `counts` {rank path: how often that path drafted the data's tokens,
     over the positions a step could start at} (`train.losses.path_counts`, from heads' held-out drafts).
@@ -235,7 +241,8 @@ def fit(counts: dict, num_nodes: int, max_depth: int) -> Tree:
     most often counted paths. They are taken greedily, each once its parent and its next better sibling
     are in (child ranks 0, 1, 2, ... with none skipped), which keeps the set a tree. This is how
     Medusa fits its sparse trees to its heads' accuracies, here with joint counts in place of a product
-    of per-head accuracies: a regressive head's hits at depth d depend on those above it."""
+    of per-head accuracies: a regressive head's hits at depth d depend on those above it. `within`:
+    take only its paths (counts from decoding on it say nothing of the others)."""
     nodes = _positive(num_nodes, "num_nodes")
     depth = _positive(max_depth, "max_depth")
     if nodes < 2:
@@ -244,14 +251,37 @@ def fit(counts: dict, num_nodes: int, max_depth: int) -> Tree:
     def entry(path):  # most counted first; ties to the shallower, then better-ranked path
         return (-counts.get(path, 0), len(path), path)
 
-    frontier, chosen = [entry((0,))], []
+    allowed = None if within is None else set(within.paths)
+    frontier, chosen = [], []
+
+    def offer(path):
+        if len(path) <= depth and (allowed is None or path in allowed):
+            heapq.heappush(frontier, entry(path))
+
+    offer((0,))
     while frontier and len(chosen) < nodes - 1:
         _, _, path = heapq.heappop(frontier)
         chosen.append(path)
-        heapq.heappush(frontier, entry(path[:-1] + (path[-1] + 1,)))
-        if len(path) < depth:
-            heapq.heappush(frontier, entry(path + (0,)))
+        offer(path[:-1] + (path[-1] + 1,))
+        offer(path + (0,))
     return Tree.from_paths(chosen, depth)
+
+
+def fit_to_hits(tree: Tree, hits, num_nodes: int) -> Tree:
+    """The `num_nodes`-node tree (as `fit` picks it) that decoding on `tree` says accepts the most:
+    hits [N], the steps whose accepted path held each of its nodes (`GenerationOutput.node_hits` summed).
+
+    Any subtree whose nodes' children are rank prefixes of `tree`'s accepts, on the same step, the
+    longest part of `tree`'s accepted path that it holds: children are tested in rank order, and
+    whether child r is kept depends only on children 0..r (greedy: the base model's token; sampling:
+    the same draws and tests, children drawn in order without replacement). So a node's hits count
+    the steps it would accept in any such subtree, the counts `fit` wants, here from real decoding,
+    sampled or greedy, on the prompts that matter, rather than replayed from greedy text."""
+    if num_nodes > tree.num_nodes:
+        raise CloverError(f"cannot fit {num_nodes} nodes from the hits of a {tree.num_nodes}-node tree: fit fewer "
+                          "nodes, or decode on a larger tree")
+    counts = dict(zip(tree.paths, (int(h) for h in np.asarray(hits)[1:])))
+    return fit(counts, num_nodes, tree.max_depth, within=tree)
 
 
 def _positive(x, what: str) -> int:

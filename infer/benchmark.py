@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from clover_jax import methods, sources
@@ -37,7 +38,7 @@ from clover_jax.draft_vocab import parse_size
 from clover_jax.errors import CloverError
 from clover_jax.sampling import SamplingConfig
 from clover_jax.sharding import make_mesh
-from clover_jax.tree import PLAIN
+from clover_jax.tree import PLAIN, Tree, fit_to_hits
 from clover_jax import cli
 from infer import report
 from infer.bandwidth import SAMPLE_PROMPTS, BandwidthProbe, plain_efficiency, plain_phases
@@ -84,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "tree), fitted, paper, chain:K, widths:4,2,2, full:WxD, a named tree, a JSON file of "
                         "paths, or a dynamic tree dynamic:N / eagle2:N (default: auto; each row names the tree it "
                         "used)")
+    p.add_argument("--fit-tree", type=int, metavar="N",
+                   help="fit an N-node tree to where this run's drafts were accepted, greedy or sampled: the nodes "
+                        "of the run's static tree that accepted most (a subtree accepts what they did), written to "
+                        "--tree-out for --tree FILE. Run one speculative method on one tree larger than N at one "
+                        "temperature and batch size, on prompts other than those you will measure it on")
+    p.add_argument("--tree-out", metavar="FILE", help="with --fit-tree: the JSON file the fitted tree is written to")
     p.add_argument("--draft-vocab", default="auto", metavar="LIST",
                    help="comma-separated draft vocabularies to measure every speculative method with: N (the N "
                         "most frequent tokens of the heads' training data; when sampling, the N most probable "
@@ -239,6 +246,7 @@ def run_engines(generators: dict[str, Generator], prompts: list[list[int]], batc
         seq_steps = [s for out in outs for s in out.sequence_steps]
         hists = [out.accept_hist.sum(0) for out in outs if out.accept_hist is not None]
         hist = sum(hists) if hists else None
+        hits = [out.node_hits.sum(0) for out in outs if out.node_hits is not None]
         new = sum(len(t) for t in tokens)
         run_s = statistics.median(sum(batches) for batches in seconds[name])
         accept = [] if hist is None else [float(hist[d:].sum() / max(hist.sum(), 1)) for d in range(1, len(hist))]
@@ -248,7 +256,8 @@ def run_engines(generators: dict[str, Generator], prompts: list[list[int]], batc
                      step_ms=1e3 * run_s / max(steps, 1), steps=steps, new_tokens=new,
                      compile_s=sum(out.compile_seconds for out in outs), compilations=gen.compilations,
                      buckets=len({bucket_for(max(len(p) for p in group), gen.buckets)
-                                  for group in cli.batches(prompts, batch_size)}), at_eos=ended_at(tokens, eos))
+                                  for group in cli.batches(prompts, batch_size)}), at_eos=ended_at(tokens, eos),
+                     node_hits=sum(hits).tolist() if hits else None)
         if tasks:
             stats["per_task"] = per_task(tasks, [len(t) for t in tokens], seq_steps, seconds[name], batch_size)
         results[name] = (stats, tokens)
@@ -352,8 +361,44 @@ def _check_outputs(args: argparse.Namespace) -> None:
         cli.check_output_dir(Path(out).parent, flag)
     if args.plot:
         cli.check_plot_format(args.plot)
+    if bool(args.fit_tree) != bool(args.tree_out):
+        raise CloverError("--fit-tree N and --tree-out FILE go together: the tree fitted, and where it is written")
+    if args.tree_out:
+        if args.fit_tree < 2:
+            raise CloverError(f"--fit-tree {args.fit_tree} must be >= 2 (the root and one draft)")
+        if Path(args.tree_out).is_dir():
+            raise CloverError(f"--tree-out {args.tree_out} is a folder; give a file path")
+        cli.check_output_dir(Path(args.tree_out).parent, "--tree-out")
     if args.profile:
         cli.check_output_dir(args.profile, "--profile")
+
+
+def check_fit_source(tree, num_nodes: int) -> None:
+    """Before the run: --fit-tree needs the drafting row's tree static and at least `num_nodes` large."""
+    if not isinstance(tree, Tree):
+        raise CloverError("--fit-tree: a dynamic tree's nodes are other paths every step; draft a static tree "
+                          "with --tree, such as a larger one fitted by train.evaluate --fit-tree")
+    if tree.num_nodes < num_nodes:
+        raise CloverError(f"--fit-tree {num_nodes}: the run's tree has {tree.num_nodes} nodes; fit fewer, or "
+                          "draft a larger tree")
+
+
+def fit_from_run(fitted_from: tuple[Row, Tree], num_nodes: int, out: str, prompts: str) -> None:
+    """--fit-tree: the `num_nodes`-node tree the run's accepted paths favour, written to `out`, and what
+    it would have accepted on the run's own steps beside what the run's tree did."""
+    row, tree = fitted_from
+    hits = np.asarray(row.node_hits)
+    fitted = fit_to_hits(tree, hits, num_nodes)
+    fitted.to_file(out, fitted_on=prompts, method=row.method, from_tree=row.tree, temperature=row.temperature,
+                   batch_size=row.batch_size, steps=int(hits[0]))
+
+    def on_steps(kept: Tree) -> float:  # tokens per drafting step, the bonus token included
+        held = set(kept.paths)
+        return 1 + sum(int(h) for p, h in zip(tree.paths, hits[1:]) if p in held) / max(int(hits[0]), 1)
+
+    print(f"\nfitted tree ({fitted.num_nodes} nodes, depth {fitted.max_depth}) written to {out}: on this run's "
+          f"{hits[0]} drafting steps it accepts {on_steps(fitted):.3f} tokens a step, the run's tree "
+          f"({tree.num_nodes} nodes) {on_steps(tree):.3f}")
 
 
 def _benchmark(args: argparse.Namespace) -> int:
@@ -399,6 +444,16 @@ def _benchmark(args: argparse.Namespace) -> int:
         at_temp[t] = list(dict.fromkeys((m, tree, dv, cost) for m, tree, cost, dv in plans))
 
     _check_outputs(args)
+    drafting = [c for t in temps for c in at_temp[t] if c[0] != "plain" and c[1] != PLAIN]
+    if args.fit_tree and (len(drafting) != 1 or len(sizes) != 1):
+        raise CloverError(f"--fit-tree fits one run's accepted paths, and this one drafts in {len(drafting)} configuration(s) "
+                          f"at {len(sizes)} batch size(s): name one speculative method, one --tree, "
+                          "one temperature and one batch size")
+    if args.fit_tree:
+        [(m, spec, dv, cost)] = drafting
+        check_fit_source(make_generator(model, m, model_path=path, heads=str(heads_root / m), tree=spec,
+                                        draft_vocab=dv, greedy=temps[0] == 0, step_cost=cost, mesh=mesh).tree,
+                         args.fit_tree)
     tasks = tasks_of(records)
     eos = cli.eos_ids(path, cfg, tokenizer)
     stop_at_eos = args.chat if args.stop_at_eos is None else args.stop_at_eos
@@ -415,6 +470,7 @@ def _benchmark(args: argparse.Namespace) -> int:
     total = (sum(per_size.values()) * sum(map(len, at_temp.values())) + hf_passes
              + (len(shape_configs) if args.shape else 0))
     rows: list[Row] = []
+    fitted_from = None  # the last row on a static tree, and its tree
     profiles: dict[str, list[dict]] = {}
     efficiency = None
     with tqdm(total=total, desc="benchmark", unit="batch", file=sys.stderr) as progress:
@@ -460,6 +516,8 @@ def _benchmark(args: argparse.Namespace) -> int:
                     row.speedup = row.tokens_per_s / plain.tokens_per_s
                     task_speedups(row, plain)
                     rows.append(row)
+                    if row.node_hits is not None:
+                        fitted_from = (row, tree)
                 del generators, measured
             plain = next(r for r in rows if r.method == "plain" and r.batch_size == b)
             if args.hf:
@@ -496,6 +554,8 @@ def _benchmark(args: argparse.Namespace) -> int:
                                max_new_tokens=args.max_new_tokens, stop_at_eos=stop_at_eos, repeats=args.repeats,
                                dtype=args.dtype, mesh=args.mesh, buckets=args.buckets and buckets,
                                command=args.command)}
+    if args.fit_tree:
+        fit_from_run(fitted_from, args.fit_tree, args.tree_out, str(prompt_file))
     if args.json:
         report.write_json(result, args.json)
     if args.plot:

@@ -41,6 +41,7 @@ class Row:
     buckets: int = 0
     matches_plain: bool | None = None
     at_eos: int | None = None  # with --stop-at-eos, the answers that ended at an EOS (the rest hit the budget)
+    node_hits: list[int] | None = None  # a static tree's: steps whose accepted path held node i (--fit-tree)
     # Per Spec-Bench task, where the prompts name one (`benchmark.per_task`): prompts, tau, new_tokens,
     # tokens_per_s and speedup (None where a batch mixed tasks, so no time is the task's alone).
     per_task: dict[str, dict] = dataclasses.field(default_factory=dict)

@@ -14,6 +14,7 @@ import pytest
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import Generator
 from clover_jax.sampling import SamplingConfig
+from clover_jax.tree import Tree, fit_to_hits, resolve_tree
 from conftest import tiny_llama_checkpoint
 from clover_jax import cli
 from infer import benchmark, profiling, report, tasks
@@ -153,6 +154,13 @@ def test_repeats_0_times_the_one_pass_it_makes(tmp_path, monkeypatch):
     (["--buckets", "512,many"], "--buckets '512,many': expected comma-separated integers"),
     (["--methods", "medusa", "--step-cost", "auto,0"], "--step-cost '0': write auto, none, or a speculative step's"),
     (["--per-task", "2"], "--per-task: no record of the prompts file names a \"category\""),
+    (["--methods", "clover", "--fit-tree", "4"], "--fit-tree N and --tree-out FILE go together"),
+    (["--methods", "medusa,clover", "--fit-tree", "4", "--tree-out", "/tmp/t.json"],
+     "--fit-tree fits one run's accepted paths, and this one drafts in 2 configuration(s) at 2 batch size(s)"),
+    (["--methods", "clover", "--tree", "chain:2", "--batch-sizes", "1", "--fit-tree", "4", "--tree-out", "/tmp/t.json"],
+     "--fit-tree 4: the run's tree has 3 nodes; fit fewer, or draft a larger tree"),
+    (["--methods", "clover", "--tree", "dynamic:8", "--batch-sizes", "1", "--fit-tree", "4", "--tree-out",
+      "/tmp/t.json"], "--fit-tree: a dynamic tree's nodes are other paths every step"),
 ])
 def test_benchmark_bad_input_is_one_line(args, message, capsys):
     assert benchmark.main(args) == 2
@@ -173,10 +181,32 @@ def test_output_paths_are_checked_before_anything_runs(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"error: {message}"), err
     out = tmp_path / "new" / "deeper" / "r.json"
-    benchmark._check_outputs(argparse.Namespace(json=str(out), plot=None, profile=str(tmp_path / "traces")))
+    benchmark._check_outputs(argparse.Namespace(json=str(out), plot=None, profile=str(tmp_path / "traces"),
+                                                fit_tree=None, tree_out=None))
     assert not (tmp_path / "new").exists() and not (tmp_path / "traces").exists()  # checked, not made
     report.write_json({"results": []}, str(out))
     assert json.loads(out.read_text()) == {"results": []}
+
+
+@pytest.mark.parametrize("temperature", ["0", "1"])
+def test_fit_tree_keeps_the_nodes_where_the_runs_drafts_were_accepted(tmp_path, capsys, temperature):
+    """--fit-tree N: a row on a static tree records each node's hits (the root's: its drafting steps;
+    a depth's together: the steps accepting that deep or deeper), and the N-node subtree that held the
+    most of them is written to --tree-out, for --tree FILE; greedy and sampled."""
+    out, tree_out = tmp_path / "b.json", tmp_path / "fit.json"
+    assert benchmark.main(["--methods", "clover2", "--num-prompts", "3", "--batch-sizes", "1", "--max-new-tokens",
+                           "12", "--repeats", "0", "--temperatures", temperature, "--tree", "default",
+                           "--fit-tree", "8", "--tree-out", str(tree_out), "--json", str(out)]) == 0
+    [row] = [r for r in json.loads(out.read_text())["results"] if r["method"] == "clover2"]
+    hits, run = row["node_hits"], resolve_tree("default", "clover2", 5)
+    assert len(hits) == row["tree_nodes"] == run.num_nodes and hits[0] == row["steps"] - 3  # the prefills apart
+    for d in range(1, 6):
+        assert sum(hits[i] for i in run.depth_nodes[d - 1]) == round(row["accept_per_depth"][d - 1] * hits[0])
+    fitted = Tree.from_file(str(tree_out))
+    assert fitted == fit_to_hits(run, hits, 8) and fitted.num_nodes == 8 and set(fitted.paths) <= set(run.paths)
+    saved = json.loads(tree_out.read_text())
+    assert saved["method"] == "clover2" and saved["temperature"] == float(temperature) and saved["steps"] == hits[0]
+    assert f"fitted tree (8 nodes, depth {fitted.max_depth}) written to {tree_out}" in capsys.readouterr().out
 
 
 def test_benchmark_sampling_and_draft_vocabulary_rows(tmp_path):

@@ -7,6 +7,7 @@ Compiling a speculative program on CPU takes seconds, so each generator is built
 and reused: budgets are runtime arguments, EOS comes from the model config (one static value)."""
 
 import functools
+import itertools
 from collections import Counter
 
 import jax
@@ -26,7 +27,7 @@ from clover_jax.errors import CloverError
 from clover_jax.heads import Heads, HeadsConfig, make_heads
 from clover_jax.model import Llama
 from clover_jax.sampling import SamplingConfig
-from clover_jax.speculative import PROBE_EVERY, SpeculativeGenerator, accept_greedy, compact
+from clover_jax.speculative import PROBE_EVERY, SpeculativeGenerator, accept_greedy, accept_sample, compact
 from clover_jax.tree import DynamicTree, Tree, chain, resolve_tree
 from conftest import TableHeads, assert_one_line, draft_with_context
 
@@ -163,6 +164,16 @@ def check_run(out, want, prompts, budgets, ref, fresh, gen):
     assert hist.shape == (len(prompts), depth + 1)
     assert out.steps == steps + 1
     assert (hist.sum(1) + plain).max() == steps
+    # A static tree's node hits: every drafting step holds the root, and as many steps hold a node of
+    # depth d as accepted d drafts or more (one node per depth on a path).
+    if isinstance(gen.tree, Tree):
+        hits = out.node_hits
+        assert hits.shape == (len(prompts), gen.tree.num_nodes)
+        np.testing.assert_array_equal(hits[:, 0], hist.sum(1))
+        for d in range(1, depth + 1):
+            np.testing.assert_array_equal(hits[:, gen.tree.depth_nodes[d - 1]].sum(1), hist[:, d:].sum(1))
+    else:
+        assert out.node_hits is None  # a dynamic tree's nodes are other paths every step
     committed = hist @ (np.arange(depth + 1) + 1) + plain
     for b, prompt in enumerate(prompts):
         n, live = len(out.tokens[b]), int(hist[b].sum() + plain[b])
@@ -485,6 +496,41 @@ def test_accept_greedy_hand_built():
     np.testing.assert_array_equal(best, [5, 4, 0, 1])
     np.testing.assert_array_equal(bonus, [9, 8, 5, 0])
     np.testing.assert_array_equal(path, [[0, 2, 5], [0, 1, 4], [0, 0, 0], [0, 1, 1]])
+
+
+@pytest.mark.parametrize("mode", ["greedy", "drawn", "chosen"])
+def test_a_subtree_accepts_the_part_of_the_trees_path_it_holds(mode):
+    """`tree.fit_to_hits`'s premise, exactly: on the same step (tokens, base logits, children's draw
+    distributions and random keys), a tree whose nodes' children are rank prefixes of a larger tree's
+    accepts the deepest node of the larger tree's accepted path that it holds; greedy, and sampling with
+    drawn children (`draws`) or chosen ones (point masses)."""
+    big = Tree.from_paths([list(p) for d in (1, 2, 3) for p in itertools.product(range(3), repeat=d)])
+    sub = Tree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]])
+    b, v = 512, 6
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0.0, 1.5, (b, big.num_nodes, v)).astype(np.float32)
+    q = rng.dirichlet(np.ones(v), (b, big.num_nodes)).astype(np.float32)
+    tokens = np.zeros((b, big.num_nodes), np.int32)
+    for node in range(big.num_nodes):  # a node's children: distinct tokens in rank order
+        kids = big.children[node][big.children[node] >= 0]
+        tokens[:, kids] = np.argsort(rng.uniform(size=(b, v)), axis=1)[:, : len(kids)]
+    index = {(): 0} | {p: i + 1 for i, p in enumerate(big.paths)}
+    held = [index[p] for p in ((),) + sub.paths]  # the big tree's node of each subtree node
+    key = jax.random.split(jax.random.PRNGKey(1), b)
+
+    def accept(tree, nodes):
+        st, toks, lg = StepTree.of(tree), jnp.asarray(tokens[:, nodes]), jnp.asarray(logits[:, nodes])
+        if mode == "greedy":
+            return np.asarray(accept_greedy(st, toks, lg, tree.max_depth)[0])
+        draws = jnp.asarray(q[:, nodes]) if mode == "drawn" else None
+        return np.asarray(accept_sample(st, toks, lg, SamplingConfig(temperature=1.0), key, tree.max_rank, draws)[0])
+
+    best_big, best_sub = accept(big, list(range(big.num_nodes))), accept(sub, held)
+    for row in range(b):
+        on_path = np.flatnonzero(big.ancestor_mask[best_big[row]])  # root .. best, in depth order
+        want = max((held.index(n) for n in on_path if n in held), key=lambda i: sub.depth[i])
+        assert best_sub[row] == want
+    assert len(set(sub.depth[best_sub])) == 4  # steps stopping at every depth: the test is not vacuous
 
 
 def test_compact_moves_the_path_to_contiguous_slots():

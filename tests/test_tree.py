@@ -19,6 +19,7 @@ from clover_jax.tree import (
     chain,
     cpu_chain_cost,
     fit,
+    fit_to_hits,
     from_widths,
     full,
     resolve_tree,
@@ -114,6 +115,22 @@ def test_fitted_tree_holds_the_most_counted_paths_that_make_a_tree():
     assert fit({}, 4, 2).paths == ((0,), (1,), (2,))
     with pytest.raises(CloverError, match="at least 2 nodes"):
         fit(counts, 1, 3)
+
+
+def test_a_tree_fitted_to_decodings_hits_keeps_the_nodes_that_accepted_most(tmp_path):
+    """fit_to_hits reads hits [N] of a decoded tree (root first, its steps) as the counts `fit` takes,
+    its depth the decoded tree's; to_file writes what from_file reads, with where it came from."""
+    run = full(3, 2)  # (0,) (1,) (2,) then (0, 0) .. (2, 2)
+    hits = np.zeros(run.num_nodes, int)
+    hits[0] = 100
+    for path, h in {(0,): 50, (1,): 20, (2,): 25, (0, 0): 30, (0, 1): 5, (1, 0): 10}.items():
+        hits[run.paths.index(path) + 1] = h
+    fitted = fit_to_hits(run, hits, 6)
+    assert fitted.paths == ((0,), (1,), (2,), (0, 0), (1, 0)) and fitted.max_depth == 2
+    assert fit_to_hits(run, hits, run.num_nodes) == run
+    out = tmp_path / "t.json"
+    fitted.to_file(out, temperature=1.0, steps=100)
+    assert Tree.from_file(str(out)) == fitted and json.loads(out.read_text())["temperature"] == 1.0
 
 
 def test_full_and_widths():

@@ -110,9 +110,8 @@ def replayed_trees(args, heads, kept: list) -> dict:
         for ranks, loss_mask in kept:
             losses.path_counts(ranks, loss_mask, heads.num_heads, counts)
         tree = fit(counts, args.fit_tree, heads.num_heads)
-        saved = {"paths": [list(p) for p in tree.paths], "fitted_on": args.data, "split": args.split}
         for out in [args.tree_out] * bool(args.tree_out) + [Path(args.heads) / TREE] * args.record:
-            write_text(out, json.dumps(saved) + "\n")
+            tree.to_file(out, fitted_on=args.data, split=args.split)
             print(f"fitted tree ({tree.num_nodes} nodes, depth {tree.max_depth}) written to {out}", file=sys.stderr)
         trees[f"fit:{args.fit_tree}"] = tree
     taus = {}
