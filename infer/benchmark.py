@@ -445,10 +445,10 @@ def _benchmark(args: argparse.Namespace) -> int:
 
     _check_outputs(args)
     drafting = [c for t in temps for c in at_temp[t] if c[0] != "plain" and c[1] != PLAIN]
-    if args.fit_tree and (len(drafting) != 1 or len(sizes) != 1):
-        raise CloverError(f"--fit-tree fits one run's accepted paths, and this one drafts in {len(drafting)} configuration(s) "
-                          f"at {len(sizes)} batch size(s): name one speculative method, one --tree, "
-                          "one temperature and one batch size")
+    if args.fit_tree and (len(drafting) != 1 or len(temps) != 1 or len(sizes) != 1):
+        raise CloverError(f"--fit-tree fits one run's accepted paths, and this one drafts in {len(drafting)} "
+                          f"configuration(s) at {len(temps)} temperature(s) and {len(sizes)} batch size(s): name one "
+                          "speculative method, one --tree, one temperature and one batch size")
     if args.fit_tree:
         [(m, spec, dv, cost)] = drafting
         check_fit_source(make_generator(model, m, model_path=path, heads=str(heads_root / m), tree=spec,

@@ -156,7 +156,10 @@ def test_repeats_0_times_the_one_pass_it_makes(tmp_path, monkeypatch):
     (["--per-task", "2"], "--per-task: no record of the prompts file names a \"category\""),
     (["--methods", "clover", "--fit-tree", "4"], "--fit-tree N and --tree-out FILE go together"),
     (["--methods", "medusa,clover", "--fit-tree", "4", "--tree-out", "/tmp/t.json"],
-     "--fit-tree fits one run's accepted paths, and this one drafts in 2 configuration(s) at 2 batch size(s)"),
+     "--fit-tree fits one run's accepted paths, and this one drafts in 2 configuration(s) at 1 temperature(s) and 2 "
+     "batch size(s)"),
+    (["--methods", "clover", "--tree", "chain:2", "--batch-sizes", "1", "--temperatures", "0,1", "--fit-tree", "2",
+      "--tree-out", "/tmp/t.json"], "drafts in 2 configuration(s) at 2 temperature(s) and 1 batch size(s)"),
     (["--methods", "clover", "--tree", "chain:2", "--batch-sizes", "1", "--fit-tree", "4", "--tree-out", "/tmp/t.json"],
      "--fit-tree 4: the run's tree has 3 nodes; fit fewer, or draft a larger tree"),
     (["--methods", "clover", "--tree", "dynamic:8", "--batch-sizes", "1", "--fit-tree", "4", "--tree-out",
