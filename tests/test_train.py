@@ -269,6 +269,46 @@ def test_resuming_a_finished_run_exports_the_same_heads_and_held_out_figures(tra
     assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.parametrize("method", ["clover2", "eagle3"])
+def test_training_on_from_exported_heads_starts_from_them(method, trained, model_dir, datasets, tmp_path, capsys):
+    """--init-from: at learning rate 0 the export is the initial heads byte for byte (EAGLE-3's draft
+    ids included, which a fresh start would pick from the counts); at the usual rate the loss on the
+    run's own batches falls below theirs."""
+    start, _, _, _ = trained[method]
+    frozen = tmp_path / "frozen"
+    code, _, err = _train(capsys, model_dir, datasets[DATA_OF[method]], frozen, tmp_path / "w0", method,
+                          "--init-from", start, "--lr", 0)
+    assert code == 0, err
+    a, b = load_file(str(start / "heads.safetensors")), load_file(str(frozen / "heads.safetensors"))
+    assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+    on = tmp_path / "on"
+    code, _, err = _train(capsys, model_dir, datasets[DATA_OF[method]], on, tmp_path / "w1", method,
+                          "--init-from", start)
+    assert code == 0, err
+    assert json.loads((on / "heads.json").read_text())["training"]["init_from"] == str(start)
+    base, batch = _base(model_dir), _batches(datasets[DATA_OF[method]])
+    before, after = (float(train.head_loss(load_heads(d, base, method), base, batch)[0]) for d in (start, on))
+    assert after < before, (before, after)
+    # A resume may not swap the heads its first start read for others.
+    code, stdout, err = _train(capsys, model_dir, datasets[DATA_OF[method]], tmp_path / "again", tmp_path / "w1",
+                               method, "--init-from", on, "--resume")
+    assert (code, stdout) == (2, "") and err.count("\n") == 1, err
+    assert "was started with init_from_sha256=" in err, err
+
+
+@pytest.mark.parametrize("case", ["other method", "other number of heads"])
+def test_init_from_heads_that_do_not_fit_is_one_error_line(case, trained, model_dir, datasets, tmp_path, capsys):
+    """(Heads of another base model are refused by load_heads, as for decoding: tests/test_checkpoint.py.)"""
+    start, _, _, _ = trained["clover"]
+    method, extra = ("medusa", []) if case == "other method" else ("clover", ["--num-heads", NUM_HEADS + 1])
+    code, stdout, err = _train(capsys, model_dir, datasets["plain"], tmp_path / "out", tmp_path / "work", method,
+                               "--init-from", start, *extra)  # the last --num-heads counts
+    assert (code, stdout) == (2, ""), err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert {"other method": "holds clover heads, not medusa",
+            "other number of heads": f"holds heads with --num-heads {NUM_HEADS}, not {NUM_HEADS + 1}"}[case] in err, err
+
+
 def test_held_out_figures_and_token_counts_can_come_from_another_dataset(trained, model_dir, datasets, tmp_path, capsys):
     """`--eval-data`: the held-out split of another dataset (here made with `make_data --first`, which
     leaves out the records before it) gives the held-out figures; training still reads --data."""

@@ -26,7 +26,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from clover_jax import methods
-from clover_jax.checkpoint import save_heads
+from clover_jax.checkpoint import WEIGHTS, load_heads, read_heads_config, save_heads
 from clover_jax.convert import load_pretrained
 from clover_jax.decode import to_host
 from clover_jax.draft_vocab import DraftVocab, probability_mass, token_counts
@@ -165,8 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR", help="where the final heads (safetensors + JSON) go")
     p.add_argument("--work-dir", metavar="DIR", help="orbax checkpoints and metrics.jsonl (default: OUT/../run-METHOD)")
     p.add_argument("--num-heads", type=int, help="number of heads (default: " + ", ".join(f"{m} {methods.get(m).depth}" for m in methods.HEADS) + ")")
-    p.add_argument("--embed-source", choices=("lm_head", "input"), default="lm_head",
-                   help="Clover-2 token embeddings: a frozen copy of lm_head, or the input embedding table")
+    p.add_argument("--embed-source", choices=("lm_head", "input"),
+                   help="Clover-2 token embeddings: a frozen copy of lm_head (default), or the input embedding table")
     p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                    help="EAGLE-3: its lm_head scores the N most frequent response tokens of the data (0: all)")
     p.add_argument("--loss-vocab", type=int, default=0, metavar="N",
@@ -174,6 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "whole vocabulary), as decoding drafts from a draft vocabulary: the vocabulary "
                         "projections, most of a step on a CPU, cost N/V as much (SmolLM2: 8192 of 49,152). "
                         "EAGLE-3 always scores its own --draft-vocab")
+    p.add_argument("--init-from", metavar="HEADS",
+                   help="start from these trained heads (a directory train.train exported, e.g. "
+                        "models/smollm2/heads/clover2) instead of a fresh initialisation, and train them on "
+                        "with a new schedule and new optimizer state; they keep their own number of heads, "
+                        "embedding source and draft vocabulary")
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps (the schedule's length)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per training window")
@@ -241,15 +246,25 @@ def run(args) -> int:
     if args.eval_data:
         held = open_dataset(args.eval_data, base)
         val_idx = held.split(args.val_fraction)[1]
-    hcfg = HeadsConfig(args.method, args.num_heads or methods.get(args.method).depth, args.embed_source,
-                       draft_vocab=args.draft_vocab)
-    heads = make_heads(hcfg, base, seed=args.seed)
+    if args.init_from:
+        heads = load_heads(args.init_from, base, method=args.method)
+        hcfg = HeadsConfig(**read_heads_config(args.init_from)["heads"])
+        for flag, asked, theirs in (("--num-heads", args.num_heads, hcfg.num_heads),
+                                    ("--embed-source", args.embed_source, hcfg.embed_source),
+                                    ("--draft-vocab", args.draft_vocab, hcfg.draft_vocab)):
+            if asked and asked != theirs:
+                raise CloverError(f"--init-from {args.init_from} holds heads with {flag} {theirs}, not {asked}; "
+                                  f"drop {flag} (the heads keep their own)")
+    else:
+        hcfg = HeadsConfig(args.method, args.num_heads or methods.get(args.method).depth,
+                           args.embed_source or "lm_head", draft_vocab=args.draft_vocab)
+        heads = make_heads(hcfg, base, seed=args.seed)
     # The exported counts and probability mass: of --counts-from's training split, else of all of --data
     # (as runs before --counts-from counted, so that EAGLE-3's draft ids stay the same when they resume).
     counted = open_dataset(args.counts_from, base) if args.counts_from else data
     counted_idx = counted.split(args.val_fraction)[0] if args.counts_from else np.arange(data.num_examples)
     counts = token_counts(counted.tokens, counted.loss_mask * counted.example_mask(counted_idx), base.cfg.vocab_size)
-    if args.draft_vocab:
+    if args.draft_vocab and not args.init_from:  # initial heads keep the draft ids they were trained on
         if not isinstance(heads, Eagle3):
             raise CloverError(f"--draft-vocab is EAGLE-3's own lm_head; {args.method} drafts from the base model's")
         if args.draft_vocab > base.cfg.vocab_size:
@@ -281,7 +296,10 @@ def run(args) -> int:
                    # What picks EAGLE-3's draft ids and the loss vocabulary, neither of which the checkpoints hold:
                    # a resume over other counts (the data rebuilt in place, or counted another way) is refused.
                    "token_counts_sha256": hashlib.sha256(np.asarray(counts, np.int64).tobytes()).hexdigest(),
-                   **({"eval_data": str(Path(args.eval_data).resolve())} if args.eval_data else {})})
+                   **({"eval_data": str(Path(args.eval_data).resolve())} if args.eval_data else {}),
+                   # Only the first start reads the initial heads; a resume may not name others.
+                   **({"init_from_sha256": hashlib.sha256((Path(args.init_from) / WEIGHTS).read_bytes()).hexdigest()}
+                      if args.init_from else {})})
     if last.latest_step() is not None and not args.resume:
         raise CloverError(f"{work} already holds checkpoints; pass --resume to continue, or another --work-dir")
     start, restored = restore_latest(last, {"params": params, "opt_state": opt_state})
