@@ -297,7 +297,7 @@ def run(args) -> int:
                    # a resume over other counts (the data rebuilt in place, or counted another way) is refused.
                    "token_counts_sha256": hashlib.sha256(np.asarray(counts, np.int64).tobytes()).hexdigest(),
                    **({"eval_data": str(Path(args.eval_data).resolve())} if args.eval_data else {}),
-                   # Only the first start reads the initial heads; a resume may not name others.
+                   # A resume's checkpoint replaces the initial heads; it may not name other ones.
                    **({"init_from_sha256": hashlib.sha256((Path(args.init_from) / WEIGHTS).read_bytes()).hexdigest()}
                       if args.init_from else {})})
     if last.latest_step() is not None and not args.resume:
