@@ -18,7 +18,7 @@ import numpy as np
 
 from clover_jax.drafter import Drafter, Frontier
 from clover_jax.draft_vocab import DraftVocab
-from clover_jax.sampling import DRAW, SamplingConfig, distribution, draw_without_replacement, top_k, use_keys
+from clover_jax.sampling import DRAW, SamplingConfig, draft_distribution, draw_without_replacement, top_k, use_keys
 from clover_jax.tree import DynamicTree, Tree
 
 
@@ -83,7 +83,7 @@ def _child_level(frontier: Frontier, carry, tokens, parents, slots, ancestors) -
 
 def _draft_q(logits, sampling: SamplingConfig, vocab: DraftVocab | None, base):
     """(q over what the drafter scores, q over the base model's whole vocabulary) under the sampling setting."""
-    q = distribution(logits, sampling)
+    q = draft_distribution(logits, sampling)
     return q, (q if vocab is None else vocab.expand(q, base.cfg.vocab_size))
 
 

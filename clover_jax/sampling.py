@@ -22,6 +22,9 @@ class SamplingConfig:
     temperature: float = 0.0
     top_k: int = 0  # 0: no top-k truncation
     top_p: float = 1.0  # 1: no nucleus truncation
+    # The drafts' distribution q is the drafter's logits at temperature x draft_temperature (same top-k/top-p).
+    # Any q keeps the output's distribution (a draft is kept with min(1, p/q)); q only moves how often.
+    draft_temperature: float = 1.0
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -30,6 +33,8 @@ class SamplingConfig:
             raise CloverError(f"top_k={self.top_k} must be >= 0 (0 turns it off)")
         if not 0 < self.top_p <= 1:
             raise CloverError(f"top_p={self.top_p} must be in (0, 1] (1 turns it off)")
+        if not self.draft_temperature > 0:
+            raise CloverError(f"draft_temperature={self.draft_temperature} must be > 0 (1 drafts at the temperature)")
 
     @property
     def greedy(self) -> bool:
@@ -76,6 +81,13 @@ def distribution(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
         probs = jnp.where(keep, probs, 0.0)
         probs = probs / probs.sum(axis=-1, keepdims=True)
     return probs
+
+
+def draft_distribution(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
+    """The distribution sampled drafts are drawn from: `distribution` with the temperature scaled by
+    `cfg.draft_temperature`. Heads distilled from greedy text can be sharper or flatter than the base model
+    at the sampling temperature; a q nearer p is kept more often."""
+    return distribution(logits.astype(jnp.float32) / cfg.draft_temperature, cfg)
 
 
 def step_keys(keys: jax.Array, step: jax.Array) -> jax.Array:

@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperatures", default="0", metavar="LIST",
                    help="comma-separated sampling temperatures, 0 = greedy (default: %(default)s); speculative "
                         "sampling is lossless, so tau at 1 against 0 shows what sampling costs the drafts")
+    p.add_argument("--draft-temperature", type=float, default=1.0, metavar="X",
+                   help="when sampling, draw the drafts from the heads' logits at the temperature times X (the "
+                        "output's distribution does not change; how often drafts are kept does) (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=3, metavar="R",
                    help="timed passes over the prompts after the warm-up pass (which compiles, and gives tau and the "
                         "tokens); medians are reported. 0: the warm-up pass is timed too, and is the only one: half "
@@ -477,7 +480,7 @@ def _benchmark(args: argparse.Namespace) -> int:
         for b in sizes:
             plain_tokens = None
             for temp in temps:
-                sampling = SamplingConfig(temperature=temp)
+                sampling = SamplingConfig(temperature=temp, draft_temperature=args.draft_temperature)
                 generators = {}
                 configs = at_temp[temp]
                 for method, spec, dv, cost in configs:
@@ -552,6 +555,7 @@ def _benchmark(args: argparse.Namespace) -> int:
                                chat_template=args.chat_template, system=args.system,
                                turns="all" if args.chat and args.turns != "first" else "first",
                                max_new_tokens=args.max_new_tokens, stop_at_eos=stop_at_eos, repeats=args.repeats,
+                               draft_temperature=args.draft_temperature,
                                dtype=args.dtype, mesh=args.mesh, buckets=args.buckets and buckets,
                                command=args.command)}
     if args.fit_tree:

@@ -123,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     p.add_argument("--top-k", type=int, default=0, metavar="K",
                    help="keep only the K most likely tokens; 0 turns it off (default: %(default)s)")
+    p.add_argument("--draft-temperature", type=float, default=1.0, metavar="X",
+                   help="when sampling, draw the drafts from the heads' logits at --temperature times X: the "
+                        "output's distribution stays the base model's whatever X; X only moves how often drafts "
+                        "are kept (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, metavar="S",
                    help="random seed for sampling; batch i of --prompts uses S+i (default: %(default)s)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
@@ -372,7 +376,8 @@ def _generate(args: argparse.Namespace) -> int:
         raise CloverError("--turns all answers the turns of --prompts records in turn, through the chat template: "
                           + ("give --prompts" if args.prompts is None else "drop --stream" if args.stream else
                              "add --chat"))
-    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              draft_temperature=args.draft_temperature)
     path = cli.model_dir(args.model)
     cfg = ModelConfig.from_pretrained(path)
     tokenizer = cli.load_tokenizer(path, cli.chat_template_flag(args.chat, args.chat_template))

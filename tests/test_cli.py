@@ -28,7 +28,7 @@ from infer import generate
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FLAGS = ("--model", "--prompt", "--prompts", "--chat", "--method", "--max-new-tokens", "--temperature",
-         "--top-p", "--top-k", "--seed", "--dtype", "--max-len", "--batch-size", "--json",
+         "--top-p", "--top-k", "--draft-temperature", "--seed", "--dtype", "--max-len", "--batch-size", "--json",
          "--heads", "--tree", "--draft-vocab", "--num-heads", "--mesh", "--coordinator", "--num-processes", "--process-id",
          "--stream", "--system", "--interactive", "--compile-cache", "--chat-template", "--turns", "--step-cost")
 STATS = re.compile(r"^\[(plain|medusa|clover|clover2)\]( tree=\d+ nodes, depth \d+, drafting from (all|\d+) tokens"

@@ -11,8 +11,8 @@ import scipy.stats
 import torch
 
 from clover_jax.errors import CloverError
-from clover_jax.sampling import (ACCEPT, BONUS, DRAW, SamplingConfig, distribution, draw_without_replacement, sample,
-                                 top_k, use_keys)
+from clover_jax.sampling import (ACCEPT, BONUS, DRAW, SamplingConfig, distribution, draft_distribution,
+                                 draw_without_replacement, sample, top_k, use_keys)
 from conftest import MAX_NEW, PROMPTS, hf_logits
 
 # Probabilities [0.15, 0.5, 0.05, 0.3] (not sorted, so the top-p bookkeeping must map back).
@@ -57,12 +57,25 @@ def test_distribution_is_per_row():
     assert np.count_nonzero(got[2, 0]) >= 3
 
 
+@pytest.mark.parametrize("kw, draft_kw", [
+    (dict(temperature=1.0, draft_temperature=2.0), dict(temperature=2.0)),
+    (dict(temperature=0.5, draft_temperature=3.0, top_p=0.9), dict(temperature=1.5, top_p=0.9)),
+    (dict(temperature=1.0, draft_temperature=1.0, top_k=2), dict(temperature=1.0, top_k=2)),
+])
+def test_drafts_are_drawn_at_the_temperature_times_the_draft_temperature(kw, draft_kw):
+    """The base model's distribution ignores the draft temperature; the drafts' q scales the temperature."""
+    np.testing.assert_allclose(dist(**kw), dist(**{**kw, "draft_temperature": 1.0}), atol=0)
+    np.testing.assert_allclose(np.asarray(draft_distribution(LOGITS, SamplingConfig(**kw))), dist(**draft_kw),
+                               atol=1e-6)
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(temperature=-1.0), r"temperature=-1.0 must be >= 0"),
     (dict(temperature=float("nan")), r"temperature=nan must be >= 0"),
     (dict(top_k=-2), r"top_k=-2 must be >= 0"),
     (dict(top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
     (dict(top_p=1.5), r"top_p=1.5 must be in \(0, 1\]"),
+    (dict(draft_temperature=0.0), r"draft_temperature=0.0 must be > 0"),
 ])
 def test_bad_sampling_config(kw, match):
     with pytest.raises(CloverError, match=match):

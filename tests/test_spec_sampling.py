@@ -142,7 +142,10 @@ CASES = [("medusa", SamplingConfig(temperature=1.0), TREE),
          ("eagle", SamplingConfig(temperature=1.0), TREE), ("eagle3", SamplingConfig(temperature=0.7), TREE),
          ("eagle", SamplingConfig(temperature=1.0), "dynamic:7"), ("eagle3", SamplingConfig(temperature=1.0), "eagle2:7"),
          ("table", SamplingConfig(temperature=1.0), "eagle2:7"),
-         ("table", SamplingConfig(temperature=0.7, top_p=0.9), "dynamic:7")]
+         ("table", SamplingConfig(temperature=0.7, top_p=0.9), "dynamic:7"),
+         # drafts drawn flatter or sharper than the base model samples (--draft-temperature)
+         ("clover2", SamplingConfig(temperature=1.0, draft_temperature=1.6), TREE),
+         ("table", SamplingConfig(temperature=1.0, draft_temperature=0.6), "dynamic:7")]
 
 
 @pytest.mark.parametrize("method, tree", [("clover2", TREE), ("table", "dynamic:7"), ("eagle3", TREE)],
@@ -159,7 +162,8 @@ def test_sampling_stays_exact_with_a_draft_vocabulary(base, method, tree):
 
 
 @pytest.mark.parametrize("method, sampling, tree", CASES,
-                         ids=[f"{m}-T{s.temperature}-p{s.top_p}-{t.split(':')[0]}" for m, s, t in CASES])
+                         ids=[f"{m}-T{s.temperature}-p{s.top_p}-x{s.draft_temperature}-{t.split(':')[0]}"
+                              for m, s, t in CASES])
 def test_speculative_sampling_has_the_base_distribution(base, method, sampling, tree):
     pv = p_values(sample_tokens(base, method, sampling, tree), exact_joint(base, sampling))
     assert min(pv.values()) > 1e-3, pv
@@ -183,3 +187,14 @@ def test_a_wrong_acceptance_rule_fails_the_same_test(base, monkeypatch, method, 
     pv = p_values(sample_tokens(base, method, sampling, tree), exact_joint(base, sampling))
     jax.clear_caches()  # leave no program traced with the wrong rule behind
     assert min(pv.values()) < 1e-6, pv
+
+
+def test_the_draft_temperature_moves_what_is_drafted(base):
+    """The same seeds at draft temperature 1 and 1.6 draw other drafts, and accept other numbers of them
+    (the distribution tests above cannot tell an ignored draft temperature from a used one)."""
+    heads = noisy(make_heads(HeadsConfig("clover2", 3), base, seed=2), 0.05, seed=3, replace=False)
+    gen = SpeculativeGenerator(base, heads, resolve_tree(TREE, "clover2", 3), buckets=(8,))
+    hists = [gen.generate([PREFIX] * 256, NEW, SamplingConfig(temperature=1.0, draft_temperature=x), seed=0,
+                          eos_ids=()).accept_hist.sum(0) for x in (1.0, 1.0, 1.6)]
+    np.testing.assert_array_equal(hists[0], hists[1])
+    assert (hists[0] != hists[2]).any(), hists
