@@ -418,6 +418,7 @@ def _benchmark(args: argparse.Namespace) -> int:
             raise CloverError(f"{flag} {value} must be >= 1")
     if args.repeats < 0:
         raise CloverError(f"--repeats {args.repeats} must be >= 0 (0: time the warm-up pass alone)")
+    SamplingConfig(draft_temperature=args.draft_temperature)  # a bad value is one line before anything loads
     draft_vocabs = list(dict.fromkeys(str(parse_size(v)) for v in args.draft_vocab.split(",") if v.strip())) or ["auto"]
     costs = list(dict.fromkeys(v.strip() for v in args.step_cost.split(",") if v.strip())) or ["auto"]
     configs = [(m, t, None if m == "plain" else dv, None if m == "plain" else sc) for m, t in _configs(args.tree, methods)

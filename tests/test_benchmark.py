@@ -145,6 +145,7 @@ def test_repeats_0_times_the_one_pass_it_makes(tmp_path, monkeypatch):
     (["--batch-sizes", "0"], "give one or more integers >= 1"),
     (["--repeats", "-1"], "--repeats -1 must be >= 0"),
     (["--temperatures", "0,hot"], "expected comma-separated numbers"),
+    (["--draft-temperature", "0"], "draft_temperature=0.0 must be > 0"),
     (["--tree", "plain=chain:2"], "plain decoding has no tree"),
     (["--methods", "medusa", "--draft-vocab", "many"], "--draft-vocab 'many': give auto, 0"),
     (["--prompts", "/nonexistent.jsonl"], "/nonexistent.jsonl"),

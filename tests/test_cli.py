@@ -436,7 +436,8 @@ def no_chat_dir(model_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["missing model", "default model missing", "no tokenizer", "prompt too long",
-                                  "bad top-p", "negative temperature", "bad max-new-tokens", "bad batch size",
+                                  "bad top-p", "negative temperature", "zero draft temperature", "bad max-new-tokens",
+                                  "bad batch size",
                                   "bad prompts line", "missing prompts file", "no chat template",
                                   "stream with json", "stream with a batch",
                                   "system without chat", "interactive with json", "interactive, no template",
@@ -455,6 +456,7 @@ def test_bad_input_is_one_error_line_and_exit_2(case, model_dir, no_chat_dir, ca
         "prompt too long": (m + ["--prompt", "def add(a, b): " * 20, "--max-len", 32], "--max-len"),
         "bad top-p": (m + ["--prompt", "x", "--top-p", 1.5], "top_p=1.5"),
         "negative temperature": (m + ["--prompt", "x", "--temperature", -1], "temperature=-1"),
+        "zero draft temperature": (m + ["--prompt", "x", "--draft-temperature", 0], "draft_temperature=0"),
         "bad max-new-tokens": (m + ["--prompt", "x", "--max-new-tokens", 0], "max_new_tokens=0"),
         "bad batch size": (m + ["--prompt", "x", "--batch-size", 0], "--batch-size 0"),
         "bad prompts line": (m + ["--prompts", bad_line], "bad.jsonl:2: no prompt found"),
