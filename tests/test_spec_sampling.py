@@ -99,6 +99,11 @@ def table_heads(base) -> TableHeads:
     return TableHeads(base.cfg, table)
 
 
+def noisy_heads(base, method: str):
+    """Random heads of `method` (3 of them), their parameters nudged off the init as `noisy` says."""
+    return noisy(make_heads(HeadsConfig(method, 3), base, seed=2), 0.05, seed=3, replace=False)
+
+
 def sample_tokens(base, method: str, sampling: SamplingConfig, tree: str = TREE, draft_vocab: int = 0,
                   step_cost: float | None = None) -> np.ndarray:
     """Samples of the first NEW tokens; with `draft_vocab`, the heads draft from the first that many ids;
@@ -106,7 +111,7 @@ def sample_tokens(base, method: str, sampling: SamplingConfig, tree: str = TREE,
     if method == "table":
         heads = table_heads(base)
     else:
-        heads = noisy(make_heads(HeadsConfig(method, 3), base, seed=2), 0.05, seed=3, replace=False)
+        heads = noisy_heads(base, method)
     vocab = DraftVocab.most_frequent(base.lm_head_weight(), None, draft_vocab) if draft_vocab else None
     # An 8-token bucket holds the prefix: the default smallest (32) would make the big batch's prefill
     # and cache four times wider than the prefix needs.
@@ -192,8 +197,7 @@ def test_a_wrong_acceptance_rule_fails_the_same_test(base, monkeypatch, method, 
 def test_the_draft_temperature_moves_what_is_drafted(base):
     """The same seeds at draft temperature 1 and 1.6 draw other drafts, and accept other numbers of them
     (the distribution tests above cannot tell an ignored draft temperature from a used one)."""
-    heads = noisy(make_heads(HeadsConfig("clover2", 3), base, seed=2), 0.05, seed=3, replace=False)
-    gen = SpeculativeGenerator(base, heads, resolve_tree(TREE, "clover2", 3), buckets=(8,))
+    gen = SpeculativeGenerator(base, noisy_heads(base, "clover2"), resolve_tree(TREE, "clover2", 3), buckets=(8,))
     hists = [gen.generate([PREFIX] * 256, NEW, SamplingConfig(temperature=1.0, draft_temperature=x), seed=0,
                           eos_ids=()).accept_hist.sum(0) for x in (1.0, 1.0, 1.6)]
     np.testing.assert_array_equal(hists[0], hists[1])
