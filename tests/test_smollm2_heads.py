@@ -57,15 +57,17 @@ def test_shipped_heads_decode_exactly_as_plain_decoding(method, smollm2, plain_a
 
 
 @pytest.mark.parametrize("method", methods.BUILT_IN)
-def test_shipped_heads_draft_a_tree_fitted_to_them_of_their_paper_trees_size(method):
-    """Each method's shipped tree.json (`train.evaluate --fit-tree N --record` on round 5's held-out
-    split, MODEL_CARD.md) has as many nodes as the method's paper tree, and replayed on that split it
-    accepts more than the paper tree, by what heads.json recorded."""
+def test_shipped_heads_draft_a_tree_fitted_to_them_at_one_node_budget(method):
+    """Each method's shipped tree.json (`train.evaluate --fit-tree 64 --record` on round 5's held-out
+    split, MODEL_CARD.md) has the same number of nodes as every other method's, the largest paper tree's
+    (Medusa's 64), so on their default trees the methods compare at one verification cost; replayed on
+    that split it accepts more than the method's paper tree, by what heads.json recorded."""
     depth = methods.get(method).depth
+    budget = max(resolve_tree("paper", m, methods.get(m).depth).num_nodes for m in methods.BUILT_IN)
     fitted, paper = load_fitted_tree(SHIPPED / method, depth), resolve_tree("paper", method, depth)
-    assert fitted is not None and fitted.num_nodes == paper.num_nodes and fitted != paper
+    assert fitted is not None and fitted.num_nodes == budget >= paper.num_nodes and fitted != paper
     taus = read_heads_config(SHIPPED / method)["evaluated"]["val_tree_tau"]
-    assert taus[f"fit:{paper.num_nodes}"] > taus["paper"] > 1
+    assert taus[f"fit:{budget}"] > taus["paper"] > 1
 
 
 def test_shipped_heads_are_smollm2s_and_fit_their_budget(smollm2):
