@@ -29,25 +29,29 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from clover_jax import methods, sources
-from clover_jax.checkpoint import TREE
-from clover_jax.config import ModelConfig
-from clover_jax.convert import load_pretrained
-from clover_jax.decode import BUCKETS, Generator, GenerationOutput, bucket_for
-from clover_jax.draft_vocab import parse_size
+from clover_jax.drafters import registry
+from clover_jax.io import sources
+from clover_jax.io.heads_dir import TREE
+from clover_jax.model.config import ModelConfig
+from clover_jax.io.hf import load_pretrained
+from clover_jax.engine.decode import BUCKETS, Generator, GenerationOutput, bucket_for
+from clover_jax.drafters.vocab import parse_size
 from clover_jax.errors import CloverError
-from clover_jax.sampling import SamplingConfig
-from clover_jax.sharding import make_mesh
-from clover_jax.tree import PLAIN, Tree, fit_to_hits
-from clover_jax import cli
+from clover_jax.engine.sampling import SamplingConfig
+from clover_jax.model.sharding import make_mesh
+from clover_jax.plan.auto import PLAIN
+from clover_jax.trees.static import Tree
+from clover_jax.trees.fit import fit_to_hits
+import cli
 from infer import report
 from infer.bandwidth import SAMPLE_PROMPTS, BandwidthProbe, plain_efficiency, plain_phases
-from clover_jax.conversation import answer_turns, record_turns
+from cli.conversation import answer_turns, record_turns
 from infer.generate import DTYPES, METHODS, drafting_plan, make_generator
 from infer.profiling import profile_folder, profile_ops
 from infer.report import Row, label
 from infer.tasks import first_of_each_task, per_task, task_speedups, tasks_of
 from infer.shapes import SHAPES, project, shape_step_times
+from clover_jax.io import tokenization
 
 EPILOG = """\
 Rows: one per method, tree, draft vocabulary and batch size. tree (nodes) = the tree the row ran (auto, the
@@ -72,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infer.benchmark", description=__doc__.split("\n\n")[0],
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", metavar="DIR", help="Hugging Face checkpoint directory (default: the shipped reference model)")
-    p.add_argument("--methods", default=",".join(("plain",) + methods.BUILT_IN), metavar="LIST",
+    p.add_argument("--methods", default=",".join(("plain",) + registry.BUILT_IN), metavar="LIST",
                    help="comma-separated methods to measure (default: %(default)s); plain is always measured")
     p.add_argument("--heads-root", metavar="DIR",
                    help="directory holding one heads directory per method (default: MODEL/heads)")
@@ -423,7 +427,7 @@ def _benchmark(args: argparse.Namespace) -> int:
     costs = list(dict.fromkeys(v.strip() for v in args.step_cost.split(",") if v.strip())) or ["auto"]
     configs = [(m, t, None if m == "plain" else dv, None if m == "plain" else sc) for m, t in _configs(args.tree, methods)
                for dv in ([None] if m == "plain" else draft_vocabs) for sc in ([None] if m == "plain" else costs)]
-    path = cli.model_dir(args.model)
+    path = sources.model_dir(args.model)
     cfg = ModelConfig.from_pretrained(path)
     tokenizer = cli.load_tokenizer(path, cli.chat_template_flag(args.chat, args.chat_template))
     # A named model has no prompts file beside it: it is a chat model, asked MT-Bench's questions.
@@ -439,7 +443,7 @@ def _benchmark(args: argparse.Namespace) -> int:
     prompts = cli.encode_prompts(tokenizer, texts, args.chat, args.system, cfg.bos_token_id)
     mesh = make_mesh(args.mesh) if args.mesh else None
     _, model = load_pretrained(path, dtype=DTYPES[args.dtype], mesh=mesh)
-    heads_root = Path(args.heads_root) if args.heads_root else cli.heads_root(args.model, path)
+    heads_root = Path(args.heads_root) if args.heads_root else sources.heads_root(args.model, path)
     temps = cli.numbers(args.temperatures, "--temperatures", float, "numbers", "0,1", 0)
     # `auto` may stand for another tree (or none: PLAIN) when sampling, whose steps cost more.
     at_temp = {}
@@ -459,7 +463,7 @@ def _benchmark(args: argparse.Namespace) -> int:
                                         draft_vocab=dv, greedy=temps[0] == 0, step_cost=cost, mesh=mesh).tree,
                          args.fit_tree)
     tasks = tasks_of(records)
-    eos = cli.eos_ids(path, cfg, tokenizer)
+    eos = tokenization.eos_ids(path, cfg, tokenizer)
     stop_at_eos = args.chat if args.stop_at_eos is None else args.stop_at_eos
     answer_eos = eos if stop_at_eos else ()  # what ends a measured answer
     if args.chat and args.turns != "first":

@@ -15,23 +15,26 @@ import sys
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from clover_jax import methods
-from clover_jax.checkpoint import held_out_chain_tau, load_draft_vocab, load_fitted_tree, load_heads
-from clover_jax.config import ModelConfig
-from clover_jax.convert import load_pretrained
-from clover_jax.decode import BUCKETS, Generator
+from clover_jax.drafters import registry
+from clover_jax.io.heads_dir import held_out_chain_tau, load_draft_vocab, load_fitted_tree, load_heads
+from clover_jax.model.config import ModelConfig
+from clover_jax.io.hf import load_pretrained
+from clover_jax.engine.decode import BUCKETS, Generator
 from clover_jax.errors import CloverError
-from clover_jax.heads import HeadsConfig, make_heads
-from clover_jax.model import Llama
-from clover_jax.sampling import SamplingConfig
-from clover_jax.sharding import describe_mesh
-from clover_jax.speculative import SpeculativeGenerator
-from clover_jax.step_cost import chain_cost
-from clover_jax.tree import PLAIN, auto_tree, resolve_tree, step_cost_for
-from clover_jax import cli
-from clover_jax.conversation import answer_turns, record_turns
+from clover_jax.drafters.heads import HeadsConfig, make_heads
+from clover_jax.model.llama import Llama
+from clover_jax.engine.sampling import SamplingConfig
+from clover_jax.model.sharding import describe_mesh
+from clover_jax.engine.speculative import SpeculativeGenerator
+from clover_jax.plan.step_cost import chain_cost
+from clover_jax.plan.auto import PLAIN, auto_tree, step_cost_for
+from clover_jax.trees.spec import resolve_tree
+import cli
+from cli.conversation import answer_turns, record_turns
+from clover_jax.io import sources
+from clover_jax.io import tokenization
 
-METHODS = ("plain",) + methods.BUILT_IN
+METHODS = ("plain",) + registry.BUILT_IN
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 EPILOG = """\
@@ -59,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", metavar="DIR",
                    help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files) "
-                        f"(default: the shipped reference model, {cli.DEFAULT_MODEL_DIR})")
+                        f"(default: the shipped reference model, {sources.DEFAULT_MODEL_DIR})")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", metavar="TEXT", help="one prompt, as text")
     src.add_argument("--prompts", metavar="FILE",
@@ -113,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "more when sampling); no pacing on a GPU or TPU, where a tree step costs about one plain "
                         "step, or for any other --tree; none: draft at every step (default: %(default)s)")
     p.add_argument("--num-heads", type=int, metavar="K",
-                   help="number of heads with --heads random (default: " + ", ".join(f"{m} {methods.get(m).depth}" for m in methods.HEADS) + ")")
+                   help="number of heads with --heads random (default: " + ", ".join(f"{m} {registry.get(m).depth}" for m in registry.HEADS) + ")")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
                    help="most tokens to generate per prompt; generation also stops at EOS (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
@@ -182,8 +185,8 @@ def load_drafter(model: Llama, method: str, *, model_path, heads: str | None = N
     """(the drafter, its heads directory): the heads in `heads` (a directory, "random" for untrained
     ones, None for the ones shipped beside the model at `model_path`); no directory for random heads."""
     if heads == "random":
-        return make_heads(HeadsConfig(method, num_heads or methods.get(method).depth), model, seed=seed), None
-    shipped = cli.heads_root(model_path, cli.model_dir(model_path)) / method
+        return make_heads(HeadsConfig(method, num_heads or registry.get(method).depth), model, seed=seed), None
+    shipped = sources.heads_root(model_path, sources.model_dir(model_path)) / method
     if heads is None and not shipped.is_dir():
         raise CloverError(f"no {method} heads at {shipped}; pass --heads DIR, or --heads random for untrained heads")
     heads_dir = heads or shipped
@@ -292,7 +295,7 @@ def converse(generator: Generator, tokenizer, lines, *, system: str | None, max_
         if not user.strip():
             continue
         while True:
-            text = cli.render_chat(tokenizer, cli.chat_messages(exchanges, user, system), add_generation_prompt=True)
+            text = tokenization.render_chat(tokenizer, tokenization.chat_messages(exchanges, user, system), add_generation_prompt=True)
             ids = [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
             if len(ids) + max_new_tokens <= generator.max_len or not exchanges:
                 break
@@ -378,17 +381,17 @@ def _generate(args: argparse.Namespace) -> int:
                              "add --chat"))
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               draft_temperature=args.draft_temperature)
-    path = cli.model_dir(args.model)
+    path = sources.model_dir(args.model)
     cfg = ModelConfig.from_pretrained(path)
     tokenizer = cli.load_tokenizer(path, cli.chat_template_flag(args.chat, args.chat_template))
     if args.interactive:
-        cli.render_chat(tokenizer, cli.chat_messages([], "", args.system))  # no chat template: one line, before loading
+        tokenization.render_chat(tokenizer, tokenization.chat_messages([], "", args.system))  # no chat template: one line, before loading
         texts = []
     else:
         records = [] if args.prompt is not None else cli.read_records(args.prompts)
         texts = [(args.prompt, None)] if args.prompt is not None else cli.prompt_turns(records)
     prompts = cli.encode_prompts(tokenizer, texts, args.chat, args.system, cfg.bos_token_id)
-    eos = cli.eos_ids(path, cfg, tokenizer)
+    eos = tokenization.eos_ids(path, cfg, tokenizer)
     size = args.batch_size if args.batch_size is not None else 1 if args.stream else 8
     size = min(size, max(len(prompts), 1))
     groups = cli.batches(list(range(len(prompts))), size)

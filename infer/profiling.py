@@ -11,9 +11,9 @@ from pathlib import Path
 
 import jax
 
-from clover_jax.decode import Generator
+from clover_jax.engine.decode import Generator
 from clover_jax.errors import CloverError
-from clover_jax.sampling import SamplingConfig
+from clover_jax.engine.sampling import SamplingConfig
 
 
 def profile_folder(name: str) -> str:

@@ -12,15 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from clover_jax import methods
-from clover_jax.config import ModelConfig
-from clover_jax.decode import Generator
-from clover_jax.draft_vocab import DraftVocab, resolve_size
-from clover_jax.heads import HeadsConfig, make_heads
-from clover_jax.model import Llama
-from clover_jax.sharding import param_sharding
-from clover_jax.speculative import SpeculativeGenerator
-from clover_jax.tree import resolve_tree
+from clover_jax.drafters import registry
+from clover_jax.model.config import ModelConfig
+from clover_jax.engine.decode import Generator
+from clover_jax.drafters.vocab import DraftVocab, resolve_size
+from clover_jax.drafters.heads import HeadsConfig, make_heads
+from clover_jax.model.llama import Llama
+from clover_jax.model.sharding import param_sharding
+from clover_jax.engine.speculative import SpeculativeGenerator
+from clover_jax.trees.spec import resolve_tree
 from infer.bandwidth import weight_bytes
 from infer.report import label
 
@@ -77,7 +77,7 @@ def shape_step_times(shape: str, layers: int | None, configs: list[tuple[str, st
         if method == "plain":
             gen = Generator(model, max_len=prompt_len + max_new, mesh=mesh)
         else:
-            heads = make_heads(HeadsConfig(method, methods.get(method).depth), model, seed=seed)
+            heads = make_heads(HeadsConfig(method, registry.get(method).depth), model, seed=seed)
             size = resolve_size(dv, no_counts, cfg.vocab_size)  # auto: the whole vocabulary, as no counts give
             vocab = DraftVocab.most_frequent(model.lm_head_weight(), no_counts, size) if size else None
             gen = SpeculativeGenerator(model, heads, resolve_tree(tree, method, heads.num_heads),

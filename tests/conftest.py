@@ -27,11 +27,11 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from clover_jax.convert import load_pretrained
-from clover_jax.decode import Generator
-from clover_jax.drafting import draft_tree
-from clover_jax.heads import Heads, HeadsConfig, HeadsState
-from clover_jax.sampling import SamplingConfig
+from clover_jax.io.hf import load_pretrained
+from clover_jax.engine.decode import Generator
+from clover_jax.engine.drafting import draft_tree
+from clover_jax.drafters.heads import Heads, HeadsConfig, HeadsState
+from clover_jax.engine.sampling import SamplingConfig
 from train import tokenizer as tokenizer_lib
 
 # The tools keep compiled programs in the user's cache folder by default (--compile-cache); the suite

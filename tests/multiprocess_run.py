@@ -13,9 +13,9 @@ jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid,
 
 from sharded_run import PROMPTS, build  # noqa: E402  (after jax.distributed, as JAX requires)
 
-from clover_jax.decode import Generator  # noqa: E402
-from clover_jax.speculative import SpeculativeGenerator  # noqa: E402
-from clover_jax.tree import resolve_tree  # noqa: E402
+from clover_jax.engine.decode import Generator  # noqa: E402
+from clover_jax.engine.speculative import SpeculativeGenerator  # noqa: E402
+from clover_jax.trees.spec import resolve_tree  # noqa: E402
 
 assert jax.device_count() == 4 and jax.local_device_count() == 2
 base, heads, mesh = build("data=2,model=2")

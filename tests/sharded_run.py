@@ -10,14 +10,14 @@ import sys
 import jax
 from flax import nnx
 
-from clover_jax.config import ModelConfig
-from clover_jax.decode import Generator
-from clover_jax.draft_vocab import DraftVocab
-from clover_jax.heads import HeadsConfig, make_heads
-from clover_jax.model import Llama
-from clover_jax.sharding import describe_mesh, make_mesh
-from clover_jax.speculative import SpeculativeGenerator
-from clover_jax.tree import resolve_tree
+from clover_jax.model.config import ModelConfig
+from clover_jax.engine.decode import Generator
+from clover_jax.drafters.vocab import DraftVocab
+from clover_jax.drafters.heads import HeadsConfig, make_heads
+from clover_jax.model.llama import Llama
+from clover_jax.model.sharding import describe_mesh, make_mesh
+from clover_jax.engine.speculative import SpeculativeGenerator
+from clover_jax.trees.spec import resolve_tree
 
 CFG = ModelConfig.tiny(num_heads=8, num_kv_heads=8, head_dim=4, vocab_size=64, max_position_embeddings=2048)
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14], [15], [16, 17], [18, 19, 20], [21, 22]]

@@ -11,13 +11,17 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from clover_jax.convert import load_pretrained
-from clover_jax.decode import Generator
-from clover_jax.sampling import SamplingConfig
-from clover_jax.tree import Tree, fit_to_hits, resolve_tree
+from clover_jax.io.hf import load_pretrained
+from clover_jax.engine.decode import Generator
+from clover_jax.engine.sampling import SamplingConfig
+from clover_jax.trees.static import Tree
+from clover_jax.trees.fit import fit_to_hits
+from clover_jax.trees.spec import resolve_tree
 from conftest import tiny_llama_checkpoint
-from clover_jax import cli
+import cli
 from infer import benchmark, profiling, report, tasks
+from clover_jax.io import sources
+from clover_jax.io import tokenization
 
 
 def test_benchmark_runs_and_reports(tmp_path, capsys):
@@ -82,7 +86,7 @@ def test_default_tree_is_auto_and_each_row_names_the_tree_it_used(tmp_path, caps
     the row, the table and the JSON name it; `default` is the paper tree. --step-cost auto paces that
     chain by the CPU's cost of it, none not at all: a row each, both writing plain decoding's tokens."""
     assert benchmark._configs([], ["plain", "clover2"]) == [("plain", None), ("clover2", "auto")]
-    path = cli.model_dir(None)
+    path = sources.model_dir(None)
     _, model = load_pretrained(path)
     heads = path / "heads" / "medusa"
     plan = lambda spec, heads_dir, sampling=False, cost="auto": benchmark.planned(
@@ -252,8 +256,8 @@ def test_later_turns_are_asked_after_plain_greedy_answers(tmp_path, capsys, monk
                                   {"from": "gpt", "value": "not this answer"}, {"from": "human", "value": "b"}]}]
     systems = [None, None, "be brief"]
     model = load_pretrained(model_dir)[1]
-    eos = cli.eos_ids(model_dir, model.cfg, tok)
-    firsts = [cli.encode(tok, text, chat=True, system=system) for text, system in zip(("x = 1", "z", "a"), systems)]
+    eos = tokenization.eos_ids(model_dir, model.cfg, tok)
+    firsts = [tokenization.encode(tok, text, chat=True, system=system) for text, system in zip(("x = 1", "z", "a"), systems)]
     answered = []
     real_generate = Generator.generate
     monkeypatch.setattr(Generator, "generate",
@@ -268,7 +272,7 @@ def test_later_turns_are_asked_after_plain_greedy_answers(tmp_path, capsys, monk
                                                   systems[::2]):
         answer = gen.generate([first], 6, eos_ids=eos).tokens[0]
         assert answer[-1] in eos
-        messages = cli.chat_messages([(said, tok.decode(answer[:-1], skip_special_tokens=True))], then, system)
+        messages = tokenization.chat_messages([(said, tok.decode(answer[:-1], skip_special_tokens=True))], then, system)
         assert tok.decode(later) == tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     # The command measures all five, and says so; --turns first keeps the three first turns.
     path = tmp_path / "q.jsonl"
@@ -367,8 +371,8 @@ def test_stop_at_eos_ends_each_answer_where_the_model_does(tmp_path, capsys):
                            "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     model = load_pretrained(model_dir)[1]
-    eos = cli.eos_ids(model_dir, model.cfg, tok)
-    answers = Generator(model).generate([cli.encode(tok, t, chat=True) for t in texts], 8, eos_ids=eos).tokens
+    eos = tokenization.eos_ids(model_dir, model.cfg, tok)
+    answers = Generator(model).generate([tokenization.encode(tok, t, chat=True) for t in texts], 8, eos_ids=eos).tokens
     assert all(a[-1] in eos for a in answers) and sum(map(len, answers)) < 3 * 8  # the seed gives early ends
     assert result["settings"]["stop_at_eos"] is True
     for r in result["results"]:

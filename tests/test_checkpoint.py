@@ -11,13 +11,13 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from clover_jax.checkpoint import CONFIG, WEIGHTS, base_fingerprint, held_out_chain_tau, load_heads, save_heads
-from clover_jax.config import ModelConfig
-from clover_jax.convert import save_pretrained
+from clover_jax.io.heads_dir import CONFIG, WEIGHTS, base_fingerprint, held_out_chain_tau, load_heads, save_heads
+from clover_jax.model.config import ModelConfig
+from clover_jax.io.hf import save_pretrained
 from clover_jax.errors import CloverError
-from clover_jax.files import atomic_path, write_text
-from clover_jax.heads import HeadsConfig, make_heads
-from clover_jax.model import Llama
+from clover_jax.io.files import atomic_path, write_text
+from clover_jax.drafters.heads import HeadsConfig, make_heads
+from clover_jax.model.llama import Llama
 
 
 @pytest.fixture(scope="module")

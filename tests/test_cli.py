@@ -17,14 +17,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from clover_jax.convert import load_pretrained
-from clover_jax.decode import Generator
+from clover_jax.io.hf import load_pretrained
+from clover_jax.engine.decode import Generator
 from clover_jax.errors import CloverError
-from clover_jax.model import Llama
-from clover_jax.sampling import SamplingConfig
+from clover_jax.model.llama import Llama
+from clover_jax.engine.sampling import SamplingConfig
 from conftest import tiny_llama_checkpoint
-from clover_jax import cli, conversation
+import cli
+from clover_jax.io import sources
+from cli import conversation
 from infer import generate
+from clover_jax.io import tokenization
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FLAGS = ("--model", "--prompt", "--prompts", "--chat", "--method", "--max-new-tokens", "--temperature",
@@ -80,8 +83,8 @@ def test_prompt_text_is_the_librarys_generation(model_dir, hf_tok, library, caps
 def test_speculative_methods_print_the_plain_text(method, model_dir, hf_tok, library, capsys, tmp_path):
     """Greedy speculative decoding through the CLI: the same text as plain decoding, from random heads
     and from a heads directory written by `save_heads`; heads of another base model are refused."""
-    from clover_jax.checkpoint import save_heads
-    from clover_jax.heads import HeadsConfig, make_heads
+    from clover_jax.io.heads_dir import save_heads
+    from clover_jax.drafters.heads import HeadsConfig, make_heads
 
     prompt = "def add(a, b):"
     [tokens] = library([hf_tok(prompt)["input_ids"]])
@@ -118,8 +121,8 @@ def test_auto_decodes_plain_where_no_chain_of_the_heads_pays(model_dir, hf_tok, 
     cost on a CPU (1.29 plain steps) but not a sampling one's (1.39): `--tree auto` drafts one token a
     step greedy, and decodes plain when sampling, writing what plain decoding writes with the same seed,
     and the statistics line says so. A tree asked for by name still drafts."""
-    from clover_jax.checkpoint import CONFIG, save_heads
-    from clover_jax.heads import HeadsConfig, make_heads
+    from clover_jax.io.heads_dir import CONFIG, save_heads
+    from clover_jax.drafters.heads import HeadsConfig, make_heads
 
     _, model = load_pretrained(model_dir)
     heads = tmp_path / "heads"
@@ -322,9 +325,9 @@ def test_chat_template_flag_vicuna_and_a_file(model_dir, no_chat_dir, library, c
     """--chat-template vicuna renders FastChat's vicuna_v1.1 conversation exactly (Vicuna's tokenizer ships
     no template); a file's template serves as well. Both work where the tokenizer has none."""
     tok = cli.load_tokenizer(no_chat_dir, "vicuna")
-    text = cli.render_chat(tok, cli.chat_messages([("hi", "hello")], "q2"), add_generation_prompt=True)
+    text = tokenization.render_chat(tok, tokenization.chat_messages([("hi", "hello")], "q2"), add_generation_prompt=True)
     assert text == f"{tok.bos_token}{cli.VICUNA_SYSTEM} USER: hi ASSISTANT: hello{tok.eos_token}USER: q2 ASSISTANT:"
-    text = cli.render_chat(tok, cli.chat_messages([], "hi", "be brief"), add_generation_prompt=True)
+    text = tokenization.render_chat(tok, tokenization.chat_messages([], "hi", "be brief"), add_generation_prompt=True)
     assert text == f"{tok.bos_token}be brief USER: hi ASSISTANT:"
     code, out, _ = run_cli(capsys, "--model", no_chat_dir, "--prompt", "hi", "--chat", "--chat-template", "vicuna",
                            "--system", "be brief", "--max-new-tokens", NEW, "--json")
@@ -350,8 +353,8 @@ def test_turns_all_answers_each_turn_after_the_models_own_answers(capsys, tmp_pa
     rows = [json.loads(line) for line in out.splitlines()]
     assert [(r["record"], r["turn"], r["prompt"]) for r in rows] == [(1, 1, "x = 1"), (1, 2, "y?"), (2, 1, "z")]
     model = load_pretrained(model_dir)[1]
-    gen, eos = Generator(model, max_len=128), cli.eos_ids(model_dir, model.cfg, tok)
-    first = gen.generate([cli.encode(tok, "x = 1", chat=True)], 8, eos_ids=eos)
+    gen, eos = Generator(model, max_len=128), tokenization.eos_ids(model_dir, model.cfg, tok)
+    first = gen.generate([tokenization.encode(tok, "x = 1", chat=True)], 8, eos_ids=eos)
     assert first.tokens[0][-1] in eos  # it ended, so the second turn was asked
     history = [("x = 1", tok.decode(first.tokens[0][:-1], skip_special_tokens=True))]
     second = gen.generate([conversation.encode_conversation(tok, history, None, eos, "", then="y?")[0]], 8, eos_ids=eos)
@@ -363,13 +366,13 @@ def test_turns_all_answers_each_turn_after_the_models_own_answers(capsys, tmp_pa
 
 
 def test_chat_applies_the_template(model_dir, hf_tok, library, capsys):
-    ids = cli.encode(hf_tok, "hi", chat=True)
+    ids = tokenization.encode(hf_tok, "hi", chat=True)
     assert hf_tok.decode(ids) == "### User:\nhi\n### Assistant:\n"
     code, out, _ = run_cli(capsys, "--model", model_dir, "--prompt", "hi", "--chat", "--max-new-tokens", NEW,
                            "--json")
     assert code == 0
     assert json.loads(out)["tokens"] == library([ids])[0]
-    ids = cli.encode(hf_tok, "hi", chat=True, system="be brief")
+    ids = tokenization.encode(hf_tok, "hi", chat=True, system="be brief")
     assert hf_tok.decode(ids) == "be brief\n\n### User:\nhi\n### Assistant:\n"
     code, out, _ = run_cli(capsys, "--model", model_dir, "--prompt", "hi", "--chat", "--system", "be brief",
                            "--max-new-tokens", NEW, "--json")
@@ -390,7 +393,7 @@ def test_a_records_own_system_turn_is_kept_under_chat(model_dir, hf_tok, library
                            "--max-new-tokens", NEW, "--json")
     assert code == 0
     for row, system in zip(map(json.loads, out.splitlines()), ("be brief", "be kind", "be fast")):
-        ids = cli.encode(hf_tok, "hi", chat=True, system=system)
+        ids = tokenization.encode(hf_tok, "hi", chat=True, system=system)
         assert hf_tok.decode(ids) == f"{system}\n\n### User:\nhi\n### Assistant:\n"
         assert row["tokens"] == library([ids])[0]
     code, out, _ = run_cli(capsys, "--model", model_dir, "--prompts", path, "--max-new-tokens", NEW, "--json")
@@ -404,7 +407,7 @@ def test_a_template_that_refuses_a_system_turn_is_one_line(hf_tok, monkeypatch):
     monkeypatch.setattr(hf_tok, "chat_template", refusing)
     needle = r"refused the prompt: System role not supported; it may take no system turn: drop --system"
     with pytest.raises(CloverError, match=needle) as e:
-        cli.encode(hf_tok, "hi", chat=True, system="be brief")
+        tokenization.encode(hf_tok, "hi", chat=True, system="be brief")
     assert "\n" not in str(e.value)
 
 
@@ -415,12 +418,12 @@ def test_empty_prompt_starts_from_bos(model_dir, library, capsys):
 
 
 def test_eos_ids_join_config_generation_config_and_tokenizer(model_dir, hf_tok, tmp_path):
-    from clover_jax.config import ModelConfig
+    from clover_jax.model.config import ModelConfig
 
     cfg = ModelConfig.from_pretrained(model_dir)
-    assert cli.eos_ids(model_dir, cfg, hf_tok) == (0,)
+    assert tokenization.eos_ids(model_dir, cfg, hf_tok) == (0,)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
-    assert cli.eos_ids(tmp_path, cfg, hf_tok) == (0, 5, 7)
+    assert tokenization.eos_ids(tmp_path, cfg, hf_tok) == (0, 5, 7)
 
 
 @pytest.fixture(scope="module")
@@ -473,7 +476,7 @@ def test_bad_input_is_one_error_line_and_exit_2(case, model_dir, no_chat_dir, ca
                                        "--chat-template is the template --chat renders prompts with; add --chat"),
     }[case]
     # The shipped model may or may not be built in this checkout; the error must not depend on it.
-    monkeypatch.setattr(cli, "DEFAULT_MODEL_DIR", tmp_path / "models" / "reference")
+    monkeypatch.setattr(sources, "DEFAULT_MODEL_DIR", tmp_path / "models" / "reference")
     code, out, err = run_cli(capsys, *argv)
     assert code == 2
     assert out == ""

@@ -12,10 +12,10 @@ from flax import nnx
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from clover_jax.config import ModelConfig
-from clover_jax.convert import _read_qkv, load_pretrained, save_pretrained
+from clover_jax.model.config import ModelConfig
+from clover_jax.io.hf import _read_qkv, load_pretrained, save_pretrained
 from clover_jax.errors import CloverError
-from clover_jax.layers import fuse_qkv, to_stored
+from clover_jax.model.layers import fuse_qkv, to_stored
 from conftest import FAMILY_NAMES, assert_one_line, hf_logits, random_tokens
 
 

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from clover_jax.convert import load_pretrained
-from clover_jax.decode import Generator
+from clover_jax.io.hf import load_pretrained
+from clover_jax.engine.decode import Generator
 from clover_jax.errors import CloverError
-from clover_jax.sampling import SamplingConfig
+from clover_jax.engine.sampling import SamplingConfig
 from conftest import MAX_NEW, PROMPTS, VOCAB, assert_one_line
 
 

@@ -8,13 +8,12 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from clover_jax.checkpoint import COUNTS, load_draft_vocab, load_token_counts, save_heads
-from clover_jax.config import ModelConfig
-from clover_jax.draft_vocab import (ALIGN, AUTO_MASS_COVERAGE, DraftVocab, parse_size, probability_mass, ranking,
-                                    resolve_size, token_counts)
+from clover_jax.io.heads_dir import COUNTS, load_draft_vocab, load_token_counts, save_heads
+from clover_jax.model.config import ModelConfig
+from clover_jax.drafters.vocab import ALIGN, AUTO_MASS_COVERAGE, DraftVocab, parse_size, probability_mass, ranking, resolve_size, token_counts
 from clover_jax.errors import CloverError
-from clover_jax.heads import HeadsConfig, make_heads
-from clover_jax.model import Llama
+from clover_jax.drafters.heads import HeadsConfig, make_heads
+from clover_jax.model.llama import Llama
 from conftest import assert_one_line
 
 

@@ -12,18 +12,19 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from clover_jax import methods
-from clover_jax.cache import KVCache, causal_mask, tree_mask
-from clover_jax.config import ModelConfig
-from clover_jax.decode import Generator, prefill
-from clover_jax.draft_vocab import DraftVocab
-from clover_jax.drafter import Committed, Drafter, Frontier
-from clover_jax.drafting import draft_tree
-from clover_jax.heads import HeadsConfig, make_heads
-from clover_jax.layers import DecoderLayer, Linear
-from clover_jax.model import Llama
-from clover_jax.speculative import SpeculativeGenerator
-from clover_jax.tree import Tree, resolve_tree
+from clover_jax.drafters import registry
+from clover_jax.model.cache import KVCache, causal_mask, tree_mask
+from clover_jax.model.config import ModelConfig
+from clover_jax.engine.decode import Generator, prefill
+from clover_jax.drafters.vocab import DraftVocab
+from clover_jax.drafters.base import Committed, Drafter, Frontier
+from clover_jax.engine.drafting import draft_tree
+from clover_jax.drafters.heads import HeadsConfig, make_heads
+from clover_jax.model.layers import DecoderLayer, Linear
+from clover_jax.model.llama import Llama
+from clover_jax.engine.speculative import SpeculativeGenerator
+from clover_jax.trees.static import Tree
+from clover_jax.trees.spec import resolve_tree
 
 PROMPTS = [[1, 7, 8, 9], [1, 3, 4, 22, 23, 24, 25, 60], [1, 2], [9] * 11]
 MAX_NEW = 16
@@ -86,7 +87,7 @@ class TinyEagle(nnx.Module, Drafter):
         return (base.logits(normed) if vocab is None else vocab.logits(normed)), out, state
 
 
-TINY_EAGLE = methods.register(methods.Method("tiny-eagle", TinyEagle, depth=3, tree="eagle_mc_sim_7b_63",
+TINY_EAGLE = registry.register(registry.Method("tiny-eagle", TinyEagle, depth=3, tree="eagle_mc_sim_7b_63",
                                              loss="cross_entropy"))
 
 
@@ -112,8 +113,8 @@ def perturbed(method: str, base: Llama, depth: int):
 
 def test_a_drafter_registers_as_itself(base):
     drafter = make_heads(HeadsConfig("tiny-eagle", 3), base)
-    assert isinstance(drafter, TinyEagle) and methods.get("tiny-eagle") is TINY_EAGLE
-    assert "tiny-eagle" in methods.names() and "tiny-eagle" not in methods.HEADS
+    assert isinstance(drafter, TinyEagle) and registry.get("tiny-eagle") is TINY_EAGLE
+    assert "tiny-eagle" in registry.names() and "tiny-eagle" not in registry.HEADS
     assert resolve_tree("default", "tiny-eagle", 3).max_depth == 3
     with pytest.raises(Exception, match="unknown method 'eagle-9'"):
         HeadsConfig("eagle-9", 3)

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from clover_jax.config import ModelConfig
-from clover_jax.draft_vocab import DraftVocab
-from clover_jax.drafter import Committed
+from clover_jax.model.config import ModelConfig
+from clover_jax.drafters.vocab import DraftVocab
+from clover_jax.drafters.base import Committed
 from clover_jax.errors import CloverError
-from clover_jax.heads import HeadsConfig
-from clover_jax.model import Llama, causal_self_mask
+from clover_jax.drafters.heads import HeadsConfig
+from clover_jax.model.llama import Llama, causal_self_mask
 from test_drafter import chain_logits, perturbed
 from train import losses
 
@@ -107,11 +107,11 @@ def test_eagle3_drafts_a_draft_vocabulary_from_its_own_rows(base):
 def test_eagle_training_step_unrolls_only_the_step_it_trains(base):
     """EAGLE-1's loss weights its first step alone (`Method.trained_steps`): unrolling just that step
     gives the full unroll's loss and gradient, and its metrics cover that one depth."""
-    from clover_jax import methods
+    from clover_jax.drafters import registry
     from train.train import head_loss
 
-    steps = methods.get("eagle").trained_steps
-    assert steps == 1 and methods.get("eagle3").trained_steps is None
+    steps = registry.get("eagle").trained_steps
+    assert steps == 1 and registry.get("eagle3").trained_steps is None
     drafter = perturbed("eagle", base, DEPTH)
     b, t_len = 2, 9
     rng = np.random.default_rng(2)
@@ -137,7 +137,7 @@ def test_eagle_training_step_unrolls_only_the_step_it_trains(base):
 def test_unrolled_attention_is_attention_over_the_concatenated_blocks():
     """`attend_unrolled` reads step 0's keys under the causal mask and every later step's key at the
     query's own position: plain attention over the blocks concatenated, [causal | eye | eye ...]."""
-    from clover_jax.layers import attend, attend_unrolled
+    from clover_jax.model.layers import attend, attend_unrolled
 
     b, t, n, kv, h, steps = 2, 6, 4, 2, 8, 3
     rng = np.random.default_rng(7)

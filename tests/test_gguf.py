@@ -15,11 +15,12 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
-from clover_jax.convert import load_pretrained
+from clover_jax.io.hf import load_pretrained
 from clover_jax.errors import CloverError
-from clover_jax.gguf_import import gguf_checkpoint, unpermute_rope_rows
-from clover_jax.model import causal_self_mask
-from clover_jax import cli
+from clover_jax.io.gguf import gguf_checkpoint, unpermute_rope_rows
+from clover_jax.model.llama import causal_self_mask
+import cli
+from clover_jax.io import tokenization
 
 TOKENS = [chr(33 + i) for i in range(64)]  # one printable character per id, all in the byte-level alphabet
 _LAYER = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
@@ -135,7 +136,7 @@ def test_conversion_is_cached_by_hash_and_carries_tokenizer_and_template(hf_chec
     assert json.loads((first / "source.json").read_text())["sha256"].startswith(first.name[len("gguf-"):])
     tok = cli.load_tokenizer(first)
     assert tok("ABC", add_special_tokens=False)["input_ids"] == [TOKENS.index(c) for c in "ABC"]
-    assert cli.render_chat(tok, [{"role": "user", "content": "hi"}], add_generation_prompt=True) == "<user>hi<assistant>"
+    assert tokenization.render_chat(tok, [{"role": "user", "content": "hi"}], add_generation_prompt=True) == "<user>hi<assistant>"
     assert json.loads((first / "config.json").read_text())["eos_token_id"] == 2
     assert sorted(os.listdir(cache / "models")) == [first.name]  # no temporary left behind
 

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from clover_jax import methods
-from clover_jax.cache import causal_mask
-from clover_jax.config import ModelConfig
+from clover_jax.drafters import registry
+from clover_jax.model.cache import causal_mask
+from clover_jax.model.config import ModelConfig
 from clover_jax.errors import CloverError
-from clover_jax.heads import HeadsConfig, make_heads, token_embeddings
-from clover_jax.layers import to_stored
-from clover_jax.model import Llama, causal_self_mask
+from clover_jax.drafters.heads import HeadsConfig, make_heads, token_embeddings
+from clover_jax.model.layers import to_stored
+from clover_jax.model.llama import Llama, causal_self_mask
 
 B, T = 2, 4
 TOL = dict(atol=1e-4, rtol=1e-4)
@@ -150,7 +150,7 @@ def close(got, want):
 
 
 def test_heads_config_defaults_and_errors():
-    assert methods.get("clover").depth == 3 and methods.get("clover2").depth == 5
+    assert registry.get("clover").depth == 3 and registry.get("clover2").depth == 5
     cfg = HeadsConfig("clover2", 5)
     assert cfg.embed_source == "lm_head" and cfg.noise == NOISE
     assert [HeadsConfig(m, 1).aug_layers for m in ("medusa", "clover", "clover2")] == [0, 1, 2]
@@ -348,7 +348,7 @@ def test_clover2_init():
 def test_aug_block_is_a_copy(method):
     """The Augmenting Block (and Clover-2's norms) start equal to the base's but share no storage:
     changing either side leaves the other as it was."""
-    base, heads = build(method, methods.get(method).depth, randomised=False)  # test_*_init's: compiled
+    base, heads = build(method, registry.get(method).depth, randomised=False)  # test_*_init's: compiled
     heads_before = params(heads)
     randomise(base.layers[-1], 11)
     randomise(base.norm, 12)

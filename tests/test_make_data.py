@@ -11,15 +11,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from clover_jax.convert import load_pretrained
-from clover_jax.decode import Generator
+from clover_jax.io.hf import load_pretrained
+from clover_jax.engine.decode import Generator
 from clover_jax.errors import CloverError
-from clover_jax.model import causal_self_mask
-from clover_jax.sampling import SamplingConfig
+from clover_jax.model.llama import causal_self_mask
+from clover_jax.engine.sampling import SamplingConfig
 from conftest import save_tiny_llama, tiny_llama_checkpoint, tiny_tokenizer
-from clover_jax import cli, conversation
+import cli
+from cli import conversation
 from train import make_data, merge_data
 from train.data import HeadDataset
+from clover_jax.io import tokenization
 
 RECORDS = [{"prompt": "def add(a, b):", "response": "\n    return a + b\n"},
            {"prompt": "class Point:", "response": "\n    def __init__(self, x):\n        self.x = x\n" * 3},
@@ -127,7 +129,7 @@ def test_fixed_mode_stores_prompt_response_mask_and_hidden(fixed_dir, hf_tok, mo
     assert len(examples[1][0]) == 24  # the long response was cut at --max-len
     _assert_hidden(fixed_dir, model, examples, np.float16, 2e-3)
     meta = json.loads((fixed_dir / "meta.json").read_text())
-    from clover_jax.checkpoint import base_fingerprint
+    from clover_jax.io.heads_dir import base_fingerprint
 
     assert meta == meta | {"base_fingerprint": base_fingerprint(model), "vocab_size": model.cfg.vocab_size,
                            "hidden_size": 32, "num_examples": 4, "num_tokens": sum(len(t) for t, _ in examples),
@@ -207,7 +209,7 @@ def test_chat_sharegpt_fixed_response_is_the_templates_assistant_turn(model_dir,
     assert code == 0 and "wrote 2 examples" in out
     # The conversation keeps its own system turn; --system stands in for it in the record without one.
     for (tokens, mask), system in zip(_examples(tmp_path / "d"), ("be brief", "be kind")):
-        p = cli.encode(hf_tok, "for i in", chat=True, system=system)
+        p = tokenization.encode(hf_tok, "for i in", chat=True, system=system)
         assert hf_tok.decode(p) == f"{system}\n\n### User:\nfor i in\n### Assistant:\n"
         assert tokens[: len(p)] == p and mask == [0] * len(p) + [1] * (len(tokens) - len(p))
         assert hf_tok.decode(tokens[len(p):]) == " range(10):\n    print(i)\n<|endoftext|>"
@@ -263,13 +265,13 @@ def test_chat_self_mode_answers_every_user_turn_after_its_own_answers(hf_tok, tm
     assert code == 0
     model = load_pretrained(model_dir)[1]
     gen = Generator(model, max_len=128)
-    eos = cli.eos_ids(model_dir, model.cfg, hf_tok)
+    eos = tokenization.eos_ids(model_dir, model.cfg, hf_tok)
     sampling = SamplingConfig(temperature=1.0)
     seeds = iter(range(3, 100))
     conversations = [("be brief", ["x = 1", "y?"]), (None, ["a = 2", "b?", "c?"])]
     expected = [None, None]
     history = [[], []]
-    prompts = {i: cli.encode(hf_tok, users[0], chat=True, system=system) for i, (system, users) in
+    prompts = {i: tokenization.encode(hf_tok, users[0], chat=True, system=system) for i, (system, users) in
                enumerate(conversations)}
     masks = {i: [0] * len(p) for i, p in prompts.items()}
     turns_answered = [0, 0]
@@ -346,7 +348,7 @@ def test_examples_are_tokenized_whole_as_decoding_sees_them():
     assert tok.convert_ids_to_tokens(tok("How are you?", add_special_tokens=False)["input_ids"])[0] == "▁"
     # The prompt for the next reply is the whole text up to the assistant's opening.
     prompt, prompt_mask = conversation.encode_conversation(tok, exchanges[:1], None, eos, "f:1", then="Four?")
-    opening = tok.apply_chat_template(cli.chat_messages(exchanges[:1], "Four?"), tokenize=False,
+    opening = tok.apply_chat_template(tokenization.chat_messages(exchanges[:1], "Four?"), tokenize=False,
                                       add_generation_prompt=True)
     assert prompt == tok(opening, add_special_tokens=False)["input_ids"]
     assert masked_runs(tok, prompt, prompt_mask) == ["How are you?</s>"]

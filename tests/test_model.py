@@ -11,10 +11,10 @@ import pytest
 import torch
 from flax import nnx
 
-from clover_jax import layers
-from clover_jax.cache import causal_mask, tree_mask
-from clover_jax.config import ModelConfig, rope_inv_freq
-from clover_jax.model import Llama, causal_self_mask, low_mid_high
+from clover_jax.model import layers
+from clover_jax.model.cache import causal_mask, tree_mask
+from clover_jax.model.config import ModelConfig, rope_inv_freq
+from clover_jax.model.llama import Llama, causal_self_mask, low_mid_high
 from conftest import FAMILY_NAMES, hf_logits, random_tokens
 
 TOL = 1e-4
@@ -253,7 +253,7 @@ def test_float32_products_ask_for_full_precision(dtype):
     greedy speculative text leave plain decoding's on an H200: every product of a float32 model (the
     prefill, a step over committed slots, the draft vocabulary's logits) asks for HIGHEST; a bfloat16
     one keeps the fast default."""
-    from clover_jax.draft_vocab import DraftVocab
+    from clover_jax.drafters.vocab import DraftVocab
 
     cfg = ModelConfig.tiny(tie_word_embeddings=True)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(cfg, dtype=dtype, rngs=nnx.Rngs(0))))

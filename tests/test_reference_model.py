@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from clover_jax import methods
-from clover_jax.checkpoint import load_heads
-from clover_jax.convert import load_pretrained
-from clover_jax.decode import Generator
-from clover_jax.model import causal_self_mask
-from clover_jax.speculative import SpeculativeGenerator
-from clover_jax.tree import resolve_tree
+from clover_jax.drafters import registry
+from clover_jax.io.heads_dir import load_heads
+from clover_jax.io.hf import load_pretrained
+from clover_jax.engine.decode import Generator
+from clover_jax.model.llama import causal_self_mask
+from clover_jax.engine.speculative import SpeculativeGenerator
+from clover_jax.trees.spec import resolve_tree
 from infer import generate
 from train import corpus, losses, train
 
@@ -147,7 +147,7 @@ def replayed_accept_hist(base, heads, seqs: list[list[int]], prompt_lens: list[i
 
 
 @pytest.mark.parametrize("tree", ["chain", "paper"])
-@pytest.mark.parametrize("method", methods.BUILT_IN)
+@pytest.mark.parametrize("method", registry.BUILT_IN)
 def test_engine_accepts_what_training_drafts(reference, continuations, method, tree):
     """The shipped heads accept, step by step in the decoding loop, exactly what their drafts in
     training's evaluation (`train.head_loss`: teacher forced, or EAGLE's training-time test) say they

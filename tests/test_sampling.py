@@ -11,8 +11,7 @@ import scipy.stats
 import torch
 
 from clover_jax.errors import CloverError
-from clover_jax.sampling import (ACCEPT, BONUS, DRAW, SamplingConfig, distribution, draft_distribution,
-                                 draw_without_replacement, sample, top_k, use_keys)
+from clover_jax.engine.sampling import ACCEPT, BONUS, DRAW, SamplingConfig, distribution, draft_distribution, draw_without_replacement, sample, top_k, use_keys
 from conftest import MAX_NEW, PROMPTS, hf_logits
 
 # Probabilities [0.15, 0.5, 0.05, 0.3] (not sorted, so the top-p bookkeeping must map back).

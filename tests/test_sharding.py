@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from clover_jax.errors import CloverError
-from clover_jax.sharding import make_mesh, parse_mesh, spec_for
+from clover_jax.model.sharding import make_mesh, parse_mesh, spec_for
 from conftest import assert_one_line
 
 HERE = Path(__file__).resolve().parent

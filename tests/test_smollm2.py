@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from clover_jax import sources
-from clover_jax.convert import load_pretrained
-from clover_jax.decode import Generator
-from clover_jax.model import causal_self_mask
-from clover_jax import cli
+from clover_jax.io import sources
+from clover_jax.io.hf import load_pretrained
+from clover_jax.engine.decode import Generator
+from clover_jax.model.llama import causal_self_mask
+import cli
+from clover_jax.io import tokenization
 
 QUESTION = "What is the capital of France? Answer in one sentence."
 
@@ -22,7 +23,7 @@ QUESTION = "What is the capital of France? Answer in one sentence."
 @pytest.fixture(scope="module")
 def smollm2():
     """(checkpoint dir, our float32 model, tokenizer, the GGUF file)."""
-    path = cli.model_dir("smollm2")
+    path = sources.model_dir("smollm2")
     _, model = load_pretrained(path)
     return path, model, cli.load_tokenizer(path), sources.fetch("smollm2")
 
@@ -42,16 +43,16 @@ def test_config_and_tokenizer_are_smollm2s(smollm2, reference):
     cfg = model.cfg
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 576, 9, 3, 64)
     assert (cfg.intermediate_size, cfg.vocab_size, cfg.rope_theta, cfg.tie_word_embeddings) == (1536, 49152, 1e5, True)
-    ids = cli.encode(tok, QUESTION, chat=True)
-    text = cli.render_chat(tok, cli.chat_turns(QUESTION), add_generation_prompt=True)
+    ids = tokenization.encode(tok, QUESTION, chat=True)
+    text = tokenization.render_chat(tok, tokenization.chat_turns(QUESTION), add_generation_prompt=True)
     assert text.endswith("<|im_start|>user\n" + QUESTION + "<|im_end|>\n<|im_start|>assistant\n")
     assert ids == reference[1](text, add_special_tokens=False)["input_ids"]
-    assert cli.eos_ids(path, cfg, tok) == (tok.convert_tokens_to_ids("<|im_end|>"),)
+    assert tokenization.eos_ids(path, cfg, tok) == (tok.convert_tokens_to_ids("<|im_end|>"),)
 
 
 def test_logits_and_greedy_text_match_transformers_gguf_loader(smollm2, reference):
     _, model, tok, _ = smollm2
-    ids = cli.encode(tok, QUESTION, chat=True)
+    ids = tokenization.encode(tok, QUESTION, chat=True)
     t = len(ids)
     ours = np.asarray(model(jnp.asarray([ids]), jnp.arange(t)[None], causal_self_mask(1, t)).logits)
     with torch.no_grad():
@@ -62,7 +63,7 @@ def test_logits_and_greedy_text_match_transformers_gguf_loader(smollm2, referenc
 
 def test_greedy_text_matches_transformers_over_32_tokens(smollm2, reference):
     _, model, tok, _ = smollm2
-    ids = cli.encode(tok, "Write a short poem about the sea.", chat=True)
+    ids = tokenization.encode(tok, "Write a short poem about the sea.", chat=True)
     out = Generator(model, max_len=256).generate([ids], 32)
     with torch.no_grad():
         ref = reference[0].generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=2,

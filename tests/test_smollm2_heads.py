@@ -7,14 +7,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from clover_jax import cli, methods, sources
-from clover_jax.checkpoint import (base_fingerprint, held_out_chain_tau, load_draft_vocab, load_fitted_tree,
-                                   load_token_counts, read_heads_config)
-from clover_jax.convert import load_pretrained
-from clover_jax.draft_vocab import AUTO_MASS_COVERAGE
-from clover_jax.decode import Generator
-from clover_jax.tree import PLAIN, auto_tree, resolve_tree
+import cli
+from clover_jax.drafters import registry
+from clover_jax.io import sources
+from clover_jax.io.heads_dir import base_fingerprint, held_out_chain_tau, load_draft_vocab, load_fitted_tree, load_token_counts, read_heads_config
+from clover_jax.io.hf import load_pretrained
+from clover_jax.drafters.vocab import AUTO_MASS_COVERAGE
+from clover_jax.engine.decode import Generator
+from clover_jax.plan.auto import PLAIN, auto_tree
+from clover_jax.trees.spec import resolve_tree
 from infer import generate
+from clover_jax.io import tokenization
 
 pytestmark = pytest.mark.optimized  # its time goes into running programs, not compiling them
 
@@ -26,7 +29,7 @@ CHAT_PROMPTS = ["What is a KV cache?", "Write a haiku about autumn.", "Give me t
 @pytest.fixture(scope="module")
 def smollm2():
     """(float32 model, tokenizer) of `--model smollm2`."""
-    path = cli.model_dir("smollm2")
+    path = sources.model_dir("smollm2")
     return load_pretrained(path)[1], cli.load_tokenizer(path)
 
 
@@ -34,11 +37,11 @@ def smollm2():
 def plain_answers(smollm2):
     """The chat prompts' ids and plain greedy decoding's 24 tokens for each (never stopping at EOS)."""
     model, tok = smollm2
-    ids = [cli.encode(tok, p, chat=True) for p in CHAT_PROMPTS]
+    ids = [tokenization.encode(tok, p, chat=True) for p in CHAT_PROMPTS]
     return ids, Generator(model, max_len=256).generate(ids, 24, eos_ids=()).tokens
 
 
-@pytest.mark.parametrize("method", methods.BUILT_IN)
+@pytest.mark.parametrize("method", registry.BUILT_IN)
 def test_shipped_heads_decode_exactly_as_plain_decoding(method, smollm2, plain_answers):
     """`--model smollm2 --method M` finds its shipped heads; greedy, they write plain decoding's tokens:
     batch 1 on the tree fitted to them (their default), batch 4 on a chain through every head, from the draft vocabulary.
@@ -47,23 +50,23 @@ def test_shipped_heads_decode_exactly_as_plain_decoding(method, smollm2, plain_a
     model, _ = smollm2
     ids, plain = plain_answers
     tree = generate.make_generator(model, method, model_path="smollm2", tree="default", max_len=256)
-    assert tree.tree == load_fitted_tree(SHIPPED / method, methods.get(method).depth)  # the heads' own tree
+    assert tree.tree == load_fitted_tree(SHIPPED / method, registry.get(method).depth)  # the heads' own tree
     out = tree.generate(ids[:1], 24, eos_ids=())
     assert out.tokens == plain[:1]
     assert out.steps < 24  # the heads draft something a real answer accepts
-    depth = methods.get(method).depth
+    depth = registry.get(method).depth
     chain = generate.make_generator(model, method, model_path="smollm2", tree=f"chain:{depth}", max_len=256)
     assert chain.generate(ids, 24, eos_ids=()).tokens == plain
 
 
-@pytest.mark.parametrize("method", methods.BUILT_IN)
+@pytest.mark.parametrize("method", registry.BUILT_IN)
 def test_shipped_heads_draft_a_tree_fitted_to_them_at_one_node_budget(method):
     """Each method's shipped tree.json (`train.evaluate --fit-tree 64 --record` on round 5's held-out
     split, MODEL_CARD.md) has the same number of nodes as every other method's, the largest paper tree's
     (Medusa's 64), so on their default trees the methods compare at one verification cost; replayed on
     that split it accepts more than the method's paper tree, by what heads.json recorded."""
-    depth = methods.get(method).depth
-    budget = max(resolve_tree("paper", m, methods.get(m).depth).num_nodes for m in methods.BUILT_IN)
+    depth = registry.get(method).depth
+    budget = max(resolve_tree("paper", m, registry.get(m).depth).num_nodes for m in registry.BUILT_IN)
     fitted, paper = load_fitted_tree(SHIPPED / method, depth), resolve_tree("paper", method, depth)
     assert fitted is not None and fitted.num_nodes == budget >= paper.num_nodes and fitted != paper
     taus = read_heads_config(SHIPPED / method)["evaluated"]["val_tree_tau"]
@@ -72,7 +75,7 @@ def test_shipped_heads_draft_a_tree_fitted_to_them_at_one_node_budget(method):
 
 def test_shipped_heads_are_smollm2s_and_fit_their_budget(smollm2):
     model, _ = smollm2
-    for method in methods.BUILT_IN:
+    for method in registry.BUILT_IN:
         meta = read_heads_config(SHIPPED / method)
         assert meta["base_fingerprint"] == base_fingerprint(model) and meta["heads"]["method"] == method
     size = sum(f.stat().st_size for f in SHIPPED.rglob("*") if f.is_file())
@@ -84,7 +87,7 @@ def test_shipped_heads_sample_from_the_tokens_holding_the_probability_mass(smoll
     over the heads' training answers: a sixth to a quarter of SmolLM2's 49,152, not all of them."""
     model, _ = smollm2
     v = model.cfg.vocab_size
-    for method in methods.BUILT_IN:
+    for method in registry.BUILT_IN:
         mass = load_token_counts(SHIPPED / method, v, "mass")
         assert mass is not None and (mass >= 0).all() and mass.sum() > 1000, method
         vocab = load_draft_vocab(SHIPPED / method, model, "auto", greedy=False)

@@ -10,9 +10,10 @@ import zipfile
 
 import pytest
 
-from clover_jax import sources
+from clover_jax.io import sources
 from clover_jax.errors import CloverError
-from clover_jax import cli
+import cli
+from cli import datasets
 
 MEMBER = "fake_pkg/data/records.json"
 RECORDS = [{"conversations": [{"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": f"answer {i}"}]}
@@ -94,11 +95,11 @@ def test_cut_off_json_array_keeps_the_complete_records(tmp_path):
     text = json.dumps(RECORDS)
     cut = tmp_path / "cut.json"
     cut.write_text(text[: text.index('"question 3"') + 4])
-    records, was_cut = sources.json_array_records(cut, chunk_chars=16)  # records straddle chunk boundaries
+    records, was_cut = datasets.json_array_records(cut, chunk_chars=16)  # records straddle chunk boundaries
     assert was_cut and records == RECORDS[:3]
     whole = tmp_path / "whole.json"
     whole.write_text(text)
-    assert sources.json_array_records(whole, chunk_chars=7) == (RECORDS, False)
+    assert datasets.json_array_records(whole, chunk_chars=7) == (RECORDS, False)
 
 
 def test_named_cut_off_source_says_how_many_it_kept(index, monkeypatch, capsys):
@@ -147,7 +148,7 @@ def test_hub_id_resolves_through_the_hugging_face_cache(hf_checkpoint, offline_h
     files = {p.name: p.read_bytes() for p in ckpt.iterdir() if p.is_file()}
     snap = _hub_cache(offline_hub, "tiny-org/tiny-llama", files)
     assert sources.model_path("tiny-org/tiny-llama") == snap
-    assert cli.model_dir("tiny-org/tiny-llama") == snap
+    assert sources.model_dir("tiny-org/tiny-llama") == snap
 
 
 def test_hub_id_offline_and_not_cached_is_one_line(offline_hub):

@@ -18,14 +18,14 @@ import pytest
 import scipy.stats
 from flax import nnx
 
-from clover_jax import speculative
-from clover_jax.config import ModelConfig
-from clover_jax.draft_vocab import DraftVocab
-from clover_jax.heads import HeadsConfig, make_heads
-from clover_jax.model import Llama, causal_self_mask
-from clover_jax.sampling import SamplingConfig, distribution
-from clover_jax.speculative import SpeculativeGenerator
-from clover_jax.tree import resolve_tree
+from clover_jax.engine import speculative
+from clover_jax.model.config import ModelConfig
+from clover_jax.drafters.vocab import DraftVocab
+from clover_jax.drafters.heads import HeadsConfig, make_heads
+from clover_jax.model.llama import Llama, causal_self_mask
+from clover_jax.engine.sampling import SamplingConfig, distribution
+from clover_jax.engine.speculative import SpeculativeGenerator
+from clover_jax.trees.spec import resolve_tree
 from conftest import TableHeads
 
 pytestmark = pytest.mark.optimized  # its time goes into running programs, not compiling them

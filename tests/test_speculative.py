@@ -16,19 +16,21 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from clover_jax import methods
-from clover_jax.cache import KVCache
-from clover_jax.config import ModelConfig
-from clover_jax.decode import Generator, prefill
-from clover_jax.draft_vocab import DraftVocab
-from clover_jax.drafter import Committed
-from clover_jax.drafting import StepTree
+from clover_jax.drafters import registry
+from clover_jax.model.cache import KVCache
+from clover_jax.model.config import ModelConfig
+from clover_jax.engine.decode import Generator, prefill
+from clover_jax.drafters.vocab import DraftVocab
+from clover_jax.drafters.base import Committed
+from clover_jax.engine.drafting import StepTree
 from clover_jax.errors import CloverError
-from clover_jax.heads import Heads, HeadsConfig, make_heads
-from clover_jax.model import Llama
-from clover_jax.sampling import SamplingConfig
-from clover_jax.speculative import PROBE_EVERY, SpeculativeGenerator, accept_greedy, accept_sample, compact
-from clover_jax.tree import DynamicTree, Tree, chain, resolve_tree
+from clover_jax.drafters.heads import Heads, HeadsConfig, make_heads
+from clover_jax.model.llama import Llama
+from clover_jax.engine.sampling import SamplingConfig
+from clover_jax.engine.speculative import PROBE_EVERY, SpeculativeGenerator, accept_greedy, accept_sample, compact
+from clover_jax.trees.dynamic import DynamicTree
+from clover_jax.trees.static import Tree, chain
+from clover_jax.trees.spec import resolve_tree
 from conftest import TableHeads, assert_one_line, draft_with_context
 
 PROMPTS = [[1, 7, 8, 9], [1, 3, 4, 22, 23, 24, 25, 60], [1, 2], [9] * 11]
@@ -133,7 +135,7 @@ def random_generators(ref):
 
     def get(method, spec):
         if (method, spec) not in made:
-            heads = perturb(make_heads(HeadsConfig(method, methods.get(method).depth), ref.base, seed=3), seed=4)
+            heads = perturb(make_heads(HeadsConfig(method, registry.get(method).depth), ref.base, seed=3), seed=4)
             made[method, spec] = SpeculativeGenerator(ref.base, heads, resolve_tree(spec, method, heads.num_heads))
         return made[method, spec]
 
@@ -222,7 +224,7 @@ def test_greedy_matches_plain_with_a_draft_vocabulary(ref, fresh, method, spec, 
     drafted) still write exactly the plain greedy text, and every drafted token is in the subset."""
     counts = np.bincount(np.concatenate(ref.free), minlength=ref.base.cfg.vocab_size)
     vocab = DraftVocab.most_frequent(ref.base.lm_head_weight(), counts, int((counts > 0).sum()) // 2)
-    heads = perturb(make_heads(HeadsConfig(method, methods.get(method).depth), ref.base, seed=3), seed=4)
+    heads = perturb(make_heads(HeadsConfig(method, registry.get(method).depth), ref.base, seed=3), seed=4)
     gen = SpeculativeGenerator(ref.base, heads, resolve_tree(spec, method, heads.num_heads), draft_vocab=vocab)
     rows = range(len(PROMPTS)) if batch == len(PROMPTS) else [EOS_ROW]
     prompts = [PROMPTS[i] for i in rows]

@@ -8,11 +8,11 @@ import types
 
 import pytest
 
-from clover_jax import step_cost
-from clover_jax.checkpoint import CONFIG, save_heads
-from clover_jax.convert import load_pretrained
-from clover_jax.heads import HeadsConfig, make_heads
-from clover_jax.tree import CPU_CHAIN_COST, ChainCost
+from clover_jax.plan import step_cost
+from clover_jax.io.heads_dir import CONFIG, save_heads
+from clover_jax.io.hf import load_pretrained
+from clover_jax.drafters.heads import HeadsConfig, make_heads
+from clover_jax.plan.auto import CPU_CHAIN_COST, ChainCost
 from conftest import tiny_llama_checkpoint
 from infer import generate
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from clover_jax.convert import load_pretrained
-from clover_jax.heads import HeadsConfig, make_heads
-from clover_jax.model import causal_self_mask, low_mid_high
+from clover_jax.io.hf import load_pretrained
+from clover_jax.drafters.heads import HeadsConfig, make_heads
+from clover_jax.model.llama import causal_self_mask, low_mid_high
 from conftest import tiny_llama_checkpoint
 from train import make_data, train
 from train.data import HeadDataset

@@ -25,14 +25,14 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
-from clover_jax.checkpoint import held_out_chain_tau, load_fitted_tree, load_heads
-from clover_jax.convert import load_pretrained
-from clover_jax.draft_vocab import DraftVocab, token_counts
+from clover_jax.io.heads_dir import held_out_chain_tau, load_fitted_tree, load_heads
+from clover_jax.io.hf import load_pretrained
+from clover_jax.drafters.vocab import DraftVocab, token_counts
 from clover_jax.errors import CloverError
-from clover_jax.heads import HeadsConfig, make_heads
-from clover_jax.methods import BUILT_IN as METHODS, HEADS
-from clover_jax.model import causal_self_mask
-from clover_jax.tree import resolve_tree
+from clover_jax.drafters.heads import HeadsConfig, make_heads
+from clover_jax.drafters.registry import BUILT_IN as METHODS, HEADS
+from clover_jax.model.llama import causal_self_mask
+from clover_jax.trees.spec import resolve_tree
 from conftest import save_tiny_llama, tiny_tokenizer
 from infer import generate
 from train import evaluate, losses, runs

@@ -5,26 +5,13 @@ import json
 import numpy as np
 import pytest
 
-from clover_jax import methods
+from clover_jax.drafters import registry
 from clover_jax.errors import CloverError
-from clover_jax.tree import (
-    DEFAULT_TREES,
-    DynamicTree,
-    EAGLE_MC_SIM_7B_63,
-    MEDUSA_MC_SIM_7B_63,
-    PLAIN,
-    Tree,
-    auto_step_cost,
-    auto_tree,
-    chain,
-    cpu_chain_cost,
-    fit,
-    fit_to_hits,
-    from_widths,
-    full,
-    resolve_tree,
-    step_cost_for,
-)
+from clover_jax.trees.spec import DEFAULT_TREES, resolve_tree
+from clover_jax.trees.dynamic import DynamicTree
+from clover_jax.trees.static import EAGLE_MC_SIM_7B_63, MEDUSA_MC_SIM_7B_63, Tree, chain, from_widths, full
+from clover_jax.plan.auto import PLAIN, auto_step_cost, auto_tree, cpu_chain_cost, step_cost_for
+from clover_jax.trees.fit import fit, fit_to_hits
 
 #            0 (root)
 #          /    \
@@ -236,10 +223,10 @@ def test_tree_is_a_static_jit_argument():
 
 def test_default_trees():
     sizes = {"medusa": (64, 4, 42), "clover": (62, 3, 41), "clover2": (26, 5, 15)}
-    assert {m: methods.get(m).depth for m in methods.HEADS} == {"medusa": 4, "clover": 3, "clover2": 5}
+    assert {m: registry.get(m).depth for m in registry.HEADS} == {"medusa": 4, "clover": 3, "clover2": 5}
     for method, t in DEFAULT_TREES.items():
         assert (t.num_nodes, t.max_depth, t.num_leaves) == sizes[method]
-        assert t.max_depth <= methods.get(method).depth
+        assert t.max_depth <= registry.get(method).depth
         _check_consistent(t)
     assert len(MEDUSA_MC_SIM_7B_63) == 63 and len(EAGLE_MC_SIM_7B_63) == 25
     assert DEFAULT_TREES["medusa"] == Tree.from_paths(MEDUSA_MC_SIM_7B_63)

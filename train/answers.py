@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 from clover_jax.errors import CloverError
-from clover_jax.files import atomic_path, write_text
+from clover_jax.io.files import atomic_path, write_text
 
 MANIFEST = "answers.json"
 

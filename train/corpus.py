@@ -21,7 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from clover_jax.errors import CloverError
-from clover_jax.files import atomic_path, write_text
+from clover_jax.io.files import atomic_path, write_text
 
 SPLITS = ("train", "validation", "test")
 MAX_FILE_BYTES = 300_000  # a few generated tables (pydoc_data/topics.py) would dominate the corpus

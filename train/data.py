@@ -15,11 +15,11 @@ from typing import Iterator, Sequence
 import ml_dtypes
 import numpy as np
 
-from clover_jax.checkpoint import base_fingerprint
-from clover_jax import cli
+from clover_jax.io.heads_dir import base_fingerprint
+import cli
 from clover_jax.errors import CloverError
-from clover_jax.files import atomic_path, temporary_name
-from clover_jax.model import Llama
+from clover_jax.io.files import atomic_path, temporary_name
+from clover_jax.model.llama import Llama
 
 # The files `train.make_data` writes; meta.json is written last, so without it a dataset is unfinished.
 FILES = ("tokens.npy", "offsets.npy", "loss_mask.npy", "hidden.npy", "features.npy")

@@ -27,17 +27,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from clover_jax import cli
-from clover_jax.checkpoint import CONFIG, TREE, load_fitted_tree, load_heads, load_token_counts, read_heads_config
-from clover_jax.convert import load_pretrained
-from clover_jax.draft_vocab import DraftVocab
+import cli
+from clover_jax.io.heads_dir import CONFIG, TREE, load_fitted_tree, load_heads, load_token_counts, read_heads_config
+from clover_jax.io.hf import load_pretrained
+from clover_jax.drafters.vocab import DraftVocab
 from clover_jax.errors import CloverError
-from clover_jax.files import write_text
-from clover_jax.tree import Tree, fit, resolve_tree
+from clover_jax.io.files import write_text
+from clover_jax.trees.static import Tree
+from clover_jax.trees.fit import fit
+from clover_jax.trees.spec import resolve_tree
 from train import losses
 from train.losses import tau_of
 from train import train
 from train.train import head_loss, on_devices, open_dataset, stores_features
+from clover_jax.io import sources
 
 RECORD = "evaluated"  # the heads.json entry --record writes; train.train's own figures stay under "held_out"
 
@@ -135,7 +138,7 @@ def run(args) -> int:
         raise CloverError("--tree-out writes the tree --fit-tree N fits; add --fit-tree N")
     meta = read_heads_config(args.heads)
     s = settings(args, meta.get("training") or {})
-    _, base = load_pretrained(cli.model_dir(args.base), dtype=jnp.float32)
+    _, base = load_pretrained(sources.model_dir(args.base), dtype=jnp.float32)
     heads = load_heads(args.heads, base)
     nnx.update(heads, jax.tree.map(lambda x: x.astype(jnp.float32), nnx.state(heads, nnx.Param)))
     data = open_dataset(args.data, base)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from clover_jax.decode import to_host
+from clover_jax.engine.decode import to_host
 
 HEAD_DECAY = 0.7
 HIDDEN_WEIGHT = 10.0
@@ -142,7 +142,7 @@ def eagle3_loss(head_hidden, head_logits, base_normed, base_logits, tokens, loss
     return jnp.sum(EAGLE3_DECAY ** jnp.arange(k_heads, dtype=jnp.float32) * per_head), per_head, masks, targets
 
 
-# The training losses a method's registry entry (`clover_jax.methods.Method.loss`) can name; each takes
+# The training losses a method's registry entry (`clover_jax.drafters.registry.Method.loss`) can name; each takes
 # (head_hidden [K, B, T, D], head_logits [K, B, T, V], base_normed [B, T, D], base_logits [B, T, V],
 # tokens [B, T], loss_mask [B, T], base_hidden [B, T, D]) and returns (loss, per-head losses [K],
 # masks [K, B, T], targets [K, B, T]).

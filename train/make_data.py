@@ -55,20 +55,21 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from clover_jax import sources
-from clover_jax.checkpoint import base_fingerprint
-from clover_jax.config import ModelConfig
-from clover_jax.convert import load_pretrained
-from clover_jax.decode import BUCKETS, Generator, bucket_for, to_host
+from clover_jax.io import sources
+from clover_jax.io.heads_dir import base_fingerprint
+from clover_jax.model.config import ModelConfig
+from clover_jax.io.hf import load_pretrained
+from clover_jax.engine.decode import BUCKETS, Generator, bucket_for, to_host
 from clover_jax.errors import CloverError
-from clover_jax.files import write_text
-from clover_jax.model import Llama, causal_self_mask, low_mid_high
-from clover_jax.sampling import SamplingConfig
-from clover_jax.sharding import make_mesh, put_batch
-from clover_jax import cli
-from clover_jax.conversation import answer_turns, encode_conversation, masked_ids, record_turns
+from clover_jax.io.files import write_text
+from clover_jax.model.llama import Llama, causal_self_mask, low_mid_high
+from clover_jax.engine.sampling import SamplingConfig
+from clover_jax.model.sharding import make_mesh, put_batch
+import cli
+from cli.conversation import answer_turns, encode_conversation, masked_ids, record_turns
 from train.answers import AnswerStore
 from train.data import HIDDEN_DTYPES, META, PARTIAL, prepare_dataset_dir, save_array
+from clover_jax.io import tokenization
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 SAVE_EVERY_S = 60.0  # how often the hidden-state pass records how far it got
@@ -107,7 +108,7 @@ def first_example(tokenizer, record: Record, args, cfg: ModelConfig, eos: tuple[
         ids, mask = fixed_example(tokenizer, record, args.chat, args.system, eos, all_turns)
     else:
         system = cli.prompt_system(record.system, args.chat, args.system)
-        ids, mask = cli.encode(tokenizer, record.users[0], chat=args.chat, bos_id=cfg.bos_token_id, system=system), []
+        ids, mask = tokenization.encode(tokenizer, record.users[0], chat=args.chat, bos_id=cfg.bos_token_id, system=system), []
     _check_ids(ids, cfg.vocab_size, record.where)
     prompt = mask.index(1) if 1 in mask else len(ids)
     if prompt >= max_len:
@@ -168,7 +169,7 @@ def fixed_example(tokenizer, record: Record, chat: bool, system: str | None, eos
         exchanges = record.exchanges if all_turns else record.exchanges[:1]
         return encode_conversation(tokenizer, exchanges, cli.prompt_system(record.system, chat, system), eos,
                                    record.where)
-    cli.check_system(chat, system)
+    tokenization.check_system(chat, system)
     prompt, text = record.users[0], record.users[0] + record.exchanges[0][1]
     return masked_ids(tokenizer, text, [(len(prompt), len(text))], (), add_special_tokens=True)
 
@@ -446,7 +447,7 @@ def make_data(args: argparse.Namespace) -> int:
     if args.first and args.answers:
         raise CloverError("--answers keeps answers by record from the file's start; drop --first")
     sampling = SamplingConfig(temperature=args.temperature)
-    base_dir = cli.model_dir(args.base)
+    base_dir = sources.model_dir(args.base)
     cfg = ModelConfig.from_pretrained(base_dir)
     max_len = cfg.max_position_embeddings if args.max_len is None else args.max_len
     if not 2 <= max_len <= cfg.max_position_embeddings:
@@ -462,7 +463,7 @@ def make_data(args: argparse.Namespace) -> int:
         raise CloverError("--answers keeps the base model's own answers; it goes with --mode self")
     skip = sources.is_named(args.prompts) if args.skip is None else args.skip
     tokenizer = cli.load_tokenizer(base_dir, cli.chat_template_flag(args.chat, args.chat_template))
-    eos = cli.eos_ids(base_dir, cfg, tokenizer)
+    eos = tokenization.eos_ids(base_dir, cfg, tokenizer)
     listed, skipped = read_examples(args.prompts, skip)
     records, examples = [], []
     for index, record in listed[args.first:][: args.limit]:

@@ -23,7 +23,7 @@ import sys
 from tqdm import tqdm
 
 from clover_jax.errors import CloverError
-from clover_jax.files import write_text
+from clover_jax.io.files import write_text
 from train import corpus
 
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)

@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from clover_jax import cli
+import cli
 from clover_jax.errors import CloverError
-from clover_jax.files import atomic_path, write_text
+from clover_jax.io.files import atomic_path, write_text
 from train.data import META, HeadDataset, prepare_dataset_dir, save_array
 
 SHARED = ("base_fingerprint", "vocab_size", "hidden_size", "hidden_dtype")  # every part must agree on these

@@ -19,7 +19,7 @@ from typing import Iterator
 import orbax.checkpoint as ocp
 
 from clover_jax.errors import CloverError
-from clover_jax.files import write_text
+from clover_jax.io.files import write_text
 
 RUN_FILE = "run.json"
 

@@ -26,7 +26,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from tqdm import tqdm
 
 from clover_jax.errors import CloverError
-from clover_jax.files import atomic_path, write_text
+from clover_jax.io.files import atomic_path, write_text
 from train import corpus
 
 EOS_TOKEN = corpus.EOS_TOKEN

@@ -5,7 +5,7 @@
 Only the heads are trained: the base model's parameters enter the loss as a separate, stop-gradient
 argument, and the optimizer state covers the heads alone. Batches are a pure function of (seed, step)
 and orbax saves heads, optimizer state and step together, so `--resume` after a kill continues exactly.
-The result is exported as safetensors + JSON (`clover_jax.checkpoint`) that `infer.generate --heads`
+The result is exported as safetensors + JSON (`clover_jax.io.heads_dir`) that `infer.generate --heads`
 loads.
 """
 
@@ -25,21 +25,23 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
 
-from clover_jax import methods
-from clover_jax.checkpoint import WEIGHTS, load_heads, read_heads_config, save_heads
-from clover_jax.convert import load_pretrained
-from clover_jax.decode import to_host
-from clover_jax.draft_vocab import DraftVocab, probability_mass, token_counts
-from clover_jax.drafter import Drafter
-from clover_jax.eagle import Eagle3, EagleDrafter
+from clover_jax.drafters import registry
+from clover_jax.io.heads_dir import WEIGHTS, load_heads, read_heads_config, save_heads
+from clover_jax.io.hf import load_pretrained
+from clover_jax.engine.decode import to_host
+from clover_jax.drafters.vocab import DraftVocab, probability_mass, token_counts
+from clover_jax.drafters.base import Drafter
+from clover_jax.drafters.eagle3 import Eagle3
+from clover_jax.drafters.draft_model import EagleDrafter
 from clover_jax.errors import CloverError
-from clover_jax.heads import HeadsConfig, make_heads
-from clover_jax.model import Llama, causal_self_mask
-from clover_jax.sharding import onto_mesh, put_batch, shard_module
-from clover_jax import cli
+from clover_jax.drafters.heads import HeadsConfig, make_heads
+from clover_jax.model.llama import Llama, causal_self_mask
+from clover_jax.model.sharding import onto_mesh, put_batch, shard_module
+import cli
 from train import losses
 from train.data import HeadDataset
 from train.runs import MetricsLog, pin_run, restore_latest, stop_due, stop_on_interrupt
+from clover_jax.io import sources
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 MASS_EXAMPLES = 256  # the exported probability mass sums over at most this many examples, evenly spaced
@@ -126,7 +128,7 @@ def head_loss(heads: Drafter, base: Llama, batch: dict, with_ranks: bool = False
     if vocab is not None:
         labels = vocab.index_of(tokens, base.cfg.vocab_size)  # [B, T], -1 outside the loss vocabulary
         label_mask = mask * (labels >= 0)
-    method_loss = losses.LOSSES[methods.get(heads.hcfg.method).loss]
+    method_loss = losses.LOSSES[registry.get(heads.hcfg.method).loss]
     loss, per_head, _, _ = method_loss(head_hidden, head_logits, normed, base_logits, jnp.maximum(labels, 0),
                                        label_mask, hidden)
     targets, masks = losses.targets_and_masks(labels, mask, head_logits.shape[0])
@@ -150,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train Medusa, Clover or Clover-2 draft heads on a frozen base model, from a dataset "
                     "made by train.make_data. Rerun with --resume to continue a killed run exactly.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--method", choices=methods.names(), required=True, help="head architecture to train")
+    p.add_argument("--method", choices=registry.names(), required=True, help="head architecture to train")
     p.add_argument("--base", required=True, metavar="DIR", help="base model (Hugging Face checkpoint directory)")
     p.add_argument("--data", required=True, metavar="DIR", help="dataset directory written by train.make_data")
     p.add_argument("--eval-data", metavar="DIR",
@@ -164,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "answers, when --data adds text it did not write (default: all of --data)")
     p.add_argument("--out", required=True, metavar="DIR", help="where the final heads (safetensors + JSON) go")
     p.add_argument("--work-dir", metavar="DIR", help="orbax checkpoints and metrics.jsonl (default: OUT/../run-METHOD)")
-    p.add_argument("--num-heads", type=int, help="number of heads (default: " + ", ".join(f"{m} {methods.get(m).depth}" for m in methods.HEADS) + ")")
+    p.add_argument("--num-heads", type=int, help="number of heads (default: " + ", ".join(f"{m} {registry.get(m).depth}" for m in registry.HEADS) + ")")
     p.add_argument("--embed-source", choices=("lm_head", "input"),
                    help="Clover-2 token embeddings: a frozen copy of lm_head (default), or the input embedding table")
     p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
@@ -236,7 +238,7 @@ def run(args) -> int:
     cli.check_output_dir(work, "--work-dir")
     dtype = DTYPES[args.dtype]
     mesh = cli.mesh_of(args)
-    _, base = load_pretrained(cli.model_dir(args.base), dtype=dtype, mesh=mesh)
+    _, base = load_pretrained(sources.model_dir(args.base), dtype=dtype, mesh=mesh)
     data = open_dataset(args.data, base)
     if args.seq_len > base.cfg.max_position_embeddings:
         raise CloverError(f"--seq-len {args.seq_len} exceeds the base model's context "
@@ -256,7 +258,7 @@ def run(args) -> int:
                 raise CloverError(f"--init-from {args.init_from} holds heads with {flag} {theirs}, not {asked}; "
                                   f"drop {flag} (the heads keep their own)")
     else:
-        hcfg = HeadsConfig(args.method, args.num_heads or methods.get(args.method).depth,
+        hcfg = HeadsConfig(args.method, args.num_heads or registry.get(args.method).depth,
                            args.embed_source or "lm_head", draft_vocab=args.draft_vocab)
         heads = make_heads(hcfg, base, seed=args.seed)
     # The exported counts and probability mass: of --counts-from's training split, else of all of --data
@@ -317,7 +319,7 @@ def run(args) -> int:
         return head_loss(nnx.merge(head_graphdef, p, fixed), nnx.merge(base_graphdef, jax.lax.stop_gradient(bp)),
                          batch, with_ranks, key, loss_vocab, steps)
 
-    trained_steps = methods.get(args.method).trained_steps
+    trained_steps = registry.get(args.method).trained_steps
 
     @jax.jit
     def train_step(p, opt_state, bp, batch, step):

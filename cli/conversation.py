@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import cli
 from clover_jax.errors import CloverError
-from clover_jax import cli
+from clover_jax.io import tokenization
 
 _USER = ("human", "user")
 _ASSISTANT = ("gpt", "assistant", "chatgpt")
@@ -58,9 +59,9 @@ def encode_conversation(tokenizer, exchanges, system: str | None, eos: tuple[int
     spans: list[tuple[int, int]] = []  # each reply's characters in `text`
     text = ""
     for k, (user, reply) in enumerate(turns):
-        messages = cli.chat_messages(exchanges[:k], user, system)
-        opening = cli.render_chat(tokenizer, messages, add_generation_prompt=True)
-        full = opening if reply is None else cli.render_chat(tokenizer, messages + [{"role": "assistant",
+        messages = tokenization.chat_messages(exchanges[:k], user, system)
+        opening = tokenization.render_chat(tokenizer, messages, add_generation_prompt=True)
+        full = opening if reply is None else tokenization.render_chat(tokenizer, messages + [{"role": "assistant",
                                                                                       "content": reply}])
         if len(turns) == 1 and reply is not None and not full.startswith(opening):
             # A template that does not extend its own generation opening: the text plus EOS.

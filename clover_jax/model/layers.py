@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from clover_jax.cache import KVCache
-from clover_jax.config import ModelConfig, rope_inv_freq
+from clover_jax.model.cache import KVCache
+from clover_jax.model.config import ModelConfig, rope_inv_freq
 
 
 def param(value: jax.Array, axes: tuple[str, ...]) -> nnx.Param:

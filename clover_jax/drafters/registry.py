@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from clover_jax.drafters.clover import CloverHeads
+from clover_jax.drafters.clover2 import Clover2Heads
+from clover_jax.drafters.eagle import Eagle
+from clover_jax.drafters.eagle3 import Eagle3
+from clover_jax.drafters.medusa import MedusaHeads
 from clover_jax.errors import CloverError
-from clover_jax.eagle import Eagle, Eagle3
-from clover_jax.heads import CloverHeads, Clover2Heads, MedusaHeads
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,16 +32,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from clover_jax.cache import KVCache, causal_mask, tree_mask
-from clover_jax.decode import DecodeState, Generator, prefill, stream_tokens, to_host
-from clover_jax.draft_vocab import DraftVocab
-from clover_jax.drafter import Committed, Drafter
-from clover_jax.drafting import StepTree, draft_tree, path_to
+from clover_jax.model.cache import KVCache, causal_mask, tree_mask
+from clover_jax.engine.decode import DecodeState, Generator, prefill, stream_tokens, to_host
+from clover_jax.drafters.vocab import DraftVocab
+from clover_jax.drafters.base import Committed, Drafter
+from clover_jax.engine.drafting import StepTree, draft_tree, path_to
 from clover_jax.errors import CloverError
-from clover_jax.model import Llama
-from clover_jax.sampling import BONUS, ACCEPT, SamplingConfig, distribution, draw, sample, step_keys, use_keys
-from clover_jax.sharding import place_draft_vocab, shard_module
-from clover_jax.tree import DynamicTree, Tree
+from clover_jax.model.llama import Llama
+from clover_jax.engine.sampling import BONUS, ACCEPT, SamplingConfig, distribution, draw, sample, step_keys, use_keys
+from clover_jax.model.sharding import place_draft_vocab, shard_module
+from clover_jax.trees.dynamic import DynamicTree
+from clover_jax.trees.static import Tree
 
 
 class SpecGraph(NamedTuple):

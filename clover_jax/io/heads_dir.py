@@ -19,15 +19,15 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file
 
-from clover_jax.convert import write_safetensors
-from clover_jax.draft_vocab import DraftVocab, ranking, resolve_size
-from clover_jax.eagle import DraftIds
+from clover_jax.io.hf import write_safetensors
+from clover_jax.drafters.vocab import DraftVocab, ranking, resolve_size
+from clover_jax.drafters.draft_model import DraftIds
 from clover_jax.errors import CloverError
-from clover_jax.files import write_text
-from clover_jax.heads import Heads, HeadsConfig, make_heads
-from clover_jax.layers import from_stored, stored_parts, to_stored
-from clover_jax.model import Llama
-from clover_jax.tree import Tree
+from clover_jax.io.files import write_text
+from clover_jax.drafters.heads import Heads, HeadsConfig, make_heads
+from clover_jax.model.layers import from_stored, stored_parts, to_stored
+from clover_jax.model.llama import Llama
+from clover_jax.trees.static import Tree
 
 WEIGHTS = "heads.safetensors"
 CONFIG = "heads.json"

@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from clover_jax.cache import CACHE_AXES, KVCache
+from clover_jax.model.cache import CACHE_AXES, KVCache
 from clover_jax.errors import CloverError
 
 MESH_AXES = ("data", "fsdp", "model")

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from clover_jax.config import ModelConfig
+from clover_jax.model.config import ModelConfig
 from clover_jax.errors import CloverError
-from clover_jax.files import write_text
+from clover_jax.io.files import write_text
 
 # GGUF architecture -> Hugging Face model_type. Mistral files say "llama".
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
@@ -128,7 +128,7 @@ def hf_config(reader, path: Path) -> dict:
 def _llama3_rope(reader, path: Path, cfg: dict) -> dict:
     """Llama 3's rope scaling, recovered from a file's `rope_freqs` divisors: its factor is their
     largest, and the divisors must then be exactly what that scaling gives, or the file is refused."""
-    from clover_jax.config import rope_inv_freq
+    from clover_jax.model.config import rope_inv_freq
 
     tensor = next(t for t in reader.tensors if t.name == _ROPE_FREQS)
     divisors = np.asarray(tensor.data, np.float32).reshape(-1)
@@ -205,7 +205,7 @@ def save_tokenizer(reader, path: Path, out: Path) -> None:
 
 def convert_gguf(path: str | Path, out_dir: str | Path) -> None:
     """Write the GGUF file `path` as a Hugging Face checkpoint directory `out_dir` (float32 weights)."""
-    from clover_jax.convert import write_safetensors
+    from clover_jax.io.hf import write_safetensors
 
     path, out = Path(path), Path(out_dir)
     reader = _reader(path)

@@ -19,11 +19,11 @@ import numpy as np
 from flax import nnx
 from jax.experimental import io_callback
 
-from clover_jax.cache import KVCache, causal_mask
+from clover_jax.model.cache import KVCache, causal_mask
 from clover_jax.errors import CloverError
-from clover_jax.model import Llama, ModelOutput
-from clover_jax.sampling import SamplingConfig, sample, step_keys
-from clover_jax.sharding import batch_split, constrain_cache, put_batch, replicate, shard_module
+from clover_jax.model.llama import Llama, ModelOutput
+from clover_jax.engine.sampling import SamplingConfig, sample, step_keys
+from clover_jax.model.sharding import batch_split, constrain_cache, put_batch, replicate, shard_module
 
 BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 

@@ -21,12 +21,12 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from clover_jax.config import ModelConfig
+from clover_jax.model.config import ModelConfig
 from clover_jax.errors import CloverError
-from clover_jax.files import atomic_path, write_text
-from clover_jax.layers import fuse_qkv, stored_parts, to_stored
-from clover_jax.model import Llama
-from clover_jax.sharding import param_sharding
+from clover_jax.io.files import atomic_path, write_text
+from clover_jax.model.layers import fuse_qkv, stored_parts, to_stored
+from clover_jax.model.llama import Llama
+from clover_jax.model.sharding import param_sharding
 
 # HF keys that carry no weights we need (old checkpoints saved RoPE buffers).
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)

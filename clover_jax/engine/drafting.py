@@ -16,10 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clover_jax.drafter import Drafter, Frontier
-from clover_jax.draft_vocab import DraftVocab
-from clover_jax.sampling import DRAW, SamplingConfig, draft_distribution, draw_without_replacement, top_k, use_keys
-from clover_jax.tree import DynamicTree, Tree
+from clover_jax.drafters.base import Drafter, Frontier
+from clover_jax.drafters.vocab import DraftVocab
+from clover_jax.engine.sampling import DRAW, SamplingConfig, draft_distribution, draw_without_replacement, top_k, use_keys
+from clover_jax.trees.dynamic import DynamicTree
+from clover_jax.trees.static import Tree
 
 
 @flax.struct.dataclass

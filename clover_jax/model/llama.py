@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from clover_jax.cache import KVCache
-from clover_jax.config import ModelConfig
-from clover_jax.layers import DecoderLayer, Embed, Linear, RMSNorm
+from clover_jax.model.cache import KVCache
+from clover_jax.model.config import ModelConfig
+from clover_jax.model.layers import DecoderLayer, Embed, Linear, RMSNorm
 
 
 @flax.struct.dataclass

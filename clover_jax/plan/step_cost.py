@@ -29,16 +29,17 @@ from pathlib import Path
 import jax
 from flax import nnx
 
-from clover_jax.checkpoint import base_fingerprint
-from clover_jax.decode import Generator
-from clover_jax.draft_vocab import DraftVocab
-from clover_jax.drafter import Drafter
-from clover_jax.files import write_text
-from clover_jax.model import Llama
-from clover_jax.sampling import SamplingConfig
-from clover_jax.sources import cache_root
-from clover_jax.speculative import SpeculativeGenerator
-from clover_jax.tree import CPU_CHAIN_COST, ChainCost, chain
+from clover_jax.drafters.base import Drafter
+from clover_jax.drafters.vocab import DraftVocab
+from clover_jax.engine.decode import Generator
+from clover_jax.engine.sampling import SamplingConfig
+from clover_jax.engine.speculative import SpeculativeGenerator
+from clover_jax.io.files import write_text
+from clover_jax.io.heads_dir import base_fingerprint
+from clover_jax.io.sources import cache_root
+from clover_jax.model.llama import Llama
+from clover_jax.plan.auto import CPU_CHAIN_COST, ChainCost
+from clover_jax.trees.static import chain
 
 COSTS_ENV = "CLOVER_JAX_STEP_COSTS"
 COSTS_FILE = "step-costs.json"

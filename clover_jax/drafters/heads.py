@@ -23,14 +23,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from clover_jax.cache import KVCache, causal_mask
-from clover_jax.config import ModelConfig
-from clover_jax.draft_vocab import DraftVocab
-from clover_jax.drafter import Committed, Drafter, Frontier
+from clover_jax.drafters.base import Committed, Drafter, Frontier
+from clover_jax.drafters.vocab import DraftVocab
 from clover_jax.errors import CloverError
-from clover_jax.layers import DecoderLayer, Linear, RMSNorm
-from clover_jax.model import Llama
-from clover_jax.sharding import constrain_cache
+from clover_jax.model.cache import KVCache, causal_mask
+from clover_jax.model.config import ModelConfig
+from clover_jax.model.layers import DecoderLayer, Linear
+from clover_jax.model.llama import Llama
+from clover_jax.model.sharding import constrain_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,9 +44,9 @@ class HeadsConfig:
     draft_vocab: int = 0  # EAGLE-3: the tokens its own lm_head scores (0: the whole vocabulary)
 
     def __post_init__(self):
-        from clover_jax import methods  # the registry names these classes: imported late
+        from clover_jax.drafters import registry  # the registry names these classes: imported late
 
-        methods.get(self.method)
+        registry.get(self.method)
         if self.num_heads < 1:
             raise CloverError(f"num_heads={self.num_heads} must be >= 1")
         if self.draft_vocab < 0:
@@ -56,18 +56,18 @@ class HeadsConfig:
 
     @property
     def aug_layers(self) -> int:
-        from clover_jax import methods
+        from clover_jax.drafters import registry
 
-        return methods.get(self.method).aug_layers
+        return registry.get(self.method).aug_layers
 
 
-def _eye_plus_uniform(key, n: int, m: int, noise: float, dtype) -> jax.Array:
+def eye_plus_uniform(key, n: int, m: int, noise: float, dtype) -> jax.Array:
     """Identity on the leading min(n, m) diagonal (for W2 [2D, D]: the rows reading s) plus U(0, noise),
     as the authors' `eye_with_uniform`."""
     return (jnp.eye(n, m, dtype=dtype) + noise * jax.random.uniform(key, (n, m), dtype)).astype(dtype)
 
 
-def _gate_heads(cfg: ModelConfig) -> int:
+def gate_heads(cfg: ModelConfig) -> int:
     """The decoders split D into the base model's attention-head count, as the authors' code asserts."""
     if cfg.hidden_size % cfg.num_heads:
         raise CloverError(f"hidden_size {cfg.hidden_size} is not divisible by num_attention_heads "
@@ -75,7 +75,7 @@ def _gate_heads(cfg: ModelConfig) -> int:
     return cfg.num_heads
 
 
-def _copy_layer(src: DecoderLayer, dst: DecoderLayer) -> None:
+def copy_layer(src: DecoderLayer, dst: DecoderLayer) -> None:
     """Initialise an Augmenting Block layer from the base model's last layer (weights copied)."""
     nnx.update(dst, jax.tree.map(jnp.copy, nnx.state(src, nnx.Param)))
 
@@ -206,151 +206,9 @@ class Heads(nnx.Module, Drafter):
         return jnp.stack(out)
 
 
-class MedusaHeads(Heads):
-    """Head i: lm_head(h + SiLU(W_i h)), h the base model's last hidden state after the final norm (as
-    Medusa's code feeds it; SPEC's formula names no norm). No head sees a drafted token."""
-
-    token_dependent = False
-
-    def __init__(self, hcfg: HeadsConfig, base: Llama, *, rngs: nnx.Rngs):
-        super().__init__(hcfg, base.cfg, [])
-        self.blocks = nnx.List([ResBlock(base.cfg.hidden_size, base.dtype, rngs) for _ in range(hcfg.num_heads)])
-
-    def context(self, base, hidden, hidden_normed, next_tokens, positions, mask, cache):
-        return hidden_normed, cache
-
-    def node_state(self, base, k, state, token):
-        return state
-
-    def node_hidden(self, base, k, state, token):
-        return self.blocks[k](state)
-
-    def expand(self, base, state, frontier, vocab=None):
-        """One distribution per depth, from the context alone: [B, 1, V], no carry."""
-        return self.node_logits(base, frontier.depth, state.context, None, vocab)[:, None], None, state
-
-
-class CloverAttentionDecoder(nnx.Module):
-    """Clover's Attention Decoder: q = W_Q norm(h), k = W_K e, v = W_V e, h + Attn(q, k, v).
-
-    Each tree node attends to the one token embedding it is given, so the softmax over that single key
-    is 1 and the output is v; q and k are computed as the paper writes them (identity + noise init),
-    and Clover-2's cosine gate is what later gave them a role.
-    """
-
-    def __init__(self, cfg: ModelConfig, noise: float, dtype, rngs: nnx.Rngs):
-        d = cfg.hidden_size
-        self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
-        self.q = Linear(d, d, ("embed", "embed_out"), dtype=dtype, rngs=rngs)
-        self.k = Linear(d, d, ("embed", "embed_out"), dtype=dtype, rngs=rngs)
-        self.v = Linear(d, d, ("embed", "embed_out"), dtype=dtype, rngs=rngs)
-        self.q.kernel[...] = _eye_plus_uniform(rngs.params(), d, d, noise, dtype)
-        self.k.kernel[...] = _eye_plus_uniform(rngs.params(), d, d, noise, dtype)
-        self.v.kernel[...] = jnp.zeros((d, d), dtype)
-        self.attn_heads = _gate_heads(cfg)
-
-    def __call__(self, h, e):
-        q, k, v = self.q(self.norm(h)), self.k(e), self.v(e)
-        split = lambda x: x.reshape(*x.shape[:-1], self.attn_heads, -1)
-        score = jnp.sum(split(q) * split(k), axis=-1, keepdims=True) / jnp.sqrt(split(q).shape[-1])
-        weight = jax.nn.softmax(score[..., None], axis=-1)[..., 0]  # one key per query: exactly 1
-        return h + (split(v) * weight.astype(v.dtype)).reshape(h.shape)
-
-
-class CloverHeads(Heads):
-    """Clover: Augmenting Block (1 layer, own cache) -> h_0; node state h_i = h_{i-1} + AD(h_{i-1},
-    e_{i-1}) with e the normalised lm_head row of the node's token; logits of head i =
-    lm_head(norm(h_i + SiLU(W_i h_i))), `norm` being the base model's final norm."""
-
-    def __init__(self, hcfg: HeadsConfig, base: Llama, *, rngs: nnx.Rngs):
-        aug = [DecoderLayer(base.cfg, dtype=base.dtype, rngs=rngs)]
-        _copy_layer(base.layers[-1], aug[0])
-        super().__init__(hcfg, base.cfg, aug)
-        self.decoder = CloverAttentionDecoder(base.cfg, hcfg.noise, base.dtype, rngs)
-        self.blocks = nnx.List([ResBlock(base.cfg.hidden_size, base.dtype, rngs) for _ in range(hcfg.num_heads)])
-
-    def context(self, base, hidden, hidden_normed, next_tokens, positions, mask, cache):
-        return self.run_aug(hidden, positions, mask, cache)
-
-    def node_state(self, base, k, state, token):
-        e = token_embeddings(base, "lm_head", True, token).astype(state.dtype)
-        return self.decoder(state, e)
-
-    def node_hidden(self, base, k, state, token):
-        return base.norm(self.blocks[k](state))
-
-
-class GateDecoder(nnx.Module):
-    """Clover-2's Attention Decoder: per attention head j, gate_j = cos(q_j, k_j); out = x + v * gate.
-    q from RMSNorm(x), k and v from the token embedding, all linear with bias; no softmax, no output
-    projection. Init as the authors': q, k = I + U(0, noise), v = U(0, noise), biases 0."""
-
-    def __init__(self, cfg: ModelConfig, noise: float, dtype, rngs: nnx.Rngs):
-        d = cfg.hidden_size
-        self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
-        self.q = Linear(d, d, ("embed", "embed_out"), bias=True, dtype=dtype, rngs=rngs)
-        self.k = Linear(d, d, ("embed", "embed_out"), bias=True, dtype=dtype, rngs=rngs)
-        self.v = Linear(d, d, ("embed", "embed_out"), bias=True, dtype=dtype, rngs=rngs)
-        self.q.kernel[...] = _eye_plus_uniform(rngs.params(), d, d, noise, dtype)
-        self.k.kernel[...] = _eye_plus_uniform(rngs.params(), d, d, noise, dtype)
-        self.v.kernel[...] = (noise * jax.random.uniform(rngs.params(), (d, d), dtype)).astype(dtype)
-        self.attn_heads = _gate_heads(cfg)
-
-    def __call__(self, x, e):
-        split = lambda t: t.reshape(*t.shape[:-1], self.attn_heads, -1).astype(jnp.float32)
-        q, k, v = split(self.q(self.norm(x))), split(self.k(e)), split(self.v(e))
-        # Each norm clamped at eps as torch.cosine_similarity does; sqrt of a clamped square keeps the
-        # gradient finite at a zero vector (padding rows), where d|x|/dx is 0/0.
-        eps = self.norm.eps
-        norm = lambda t: jnp.sqrt(jnp.maximum(jnp.sum(t * t, -1, keepdims=True), eps * eps))
-        cos = jnp.sum(q * k, -1, keepdims=True) / (norm(q) * norm(k))
-        return x + (v * cos).reshape(x.shape).astype(x.dtype)
-
-
-class Clover2Heads(Heads):
-    """Clover-2: x_t = AD_in(h_t, E[x_{t+1}]) -> 2-layer Augmenting Block (own cache) -> norm = s.
-    Head 0: lm_head(head_norm(W0 s)); heads k >= 1 share one cell: s <- AD_cell(s, E[token]),
-    logits = lm_head(head_norm(W2 [s; E[token]])). Both norms start as the base's final norm."""
-
-    def __init__(self, hcfg: HeadsConfig, base: Llama, *, rngs: nnx.Rngs):
-        cfg, dtype, d = base.cfg, base.dtype, base.cfg.hidden_size
-        aug = [DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(hcfg.aug_layers)]
-        for layer in aug:
-            _copy_layer(base.layers[-1], layer)
-        super().__init__(hcfg, cfg, aug)
-        self.decoder_in = GateDecoder(cfg, hcfg.noise, dtype, rngs)
-        self.decoder_cell = GateDecoder(cfg, hcfg.noise, dtype, rngs)
-        self.aug_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
-        self.head_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
-        self.aug_norm.weight[...] = jnp.copy(base.norm.weight[...])
-        self.head_norm.weight[...] = jnp.copy(base.norm.weight[...])
-        self.w0 = Linear(d, d, ("embed", "embed_out"), bias=True, dtype=dtype, rngs=rngs)
-        self.w0.kernel[...] = _eye_plus_uniform(rngs.params(), d, d, hcfg.noise, dtype)
-        self.w2 = Linear(2 * d, d, ("embed", "embed_out"), bias=True, dtype=dtype, rngs=rngs)
-        self.w2.kernel[...] = _eye_plus_uniform(rngs.params(), 2 * d, d, hcfg.noise, dtype)
-
-    def _embed(self, base, token, dtype):
-        return token_embeddings(base, self.hcfg.embed_source, False, token).astype(dtype)
-
-    def context(self, base, hidden, hidden_normed, next_tokens, positions, mask, cache):
-        x = self.decoder_in(hidden, self._embed(base, next_tokens, hidden.dtype))
-        x, cache = self.run_aug(x, positions, mask, cache)
-        return self.aug_norm(x), cache
-
-    def node_state(self, base, k, state, token):
-        # The root's token was fused into the context before the Augmenting Block.
-        return state if k == 0 else self.decoder_cell(state, self._embed(base, token, state.dtype))
-
-    def node_hidden(self, base, k, state, token):
-        if k == 0:
-            return self.head_norm(self.w0(state))
-        e = self._embed(base, token, state.dtype)
-        return self.head_norm(self.w2(jnp.concatenate([state, e], axis=-1)))
-
-
 def make_heads(hcfg: HeadsConfig, base: Llama, seed: int = 0) -> Heads:
     """Freshly initialised heads for `base` (the Augmenting Block copied from its last layer), of the
     class the method registry names."""
-    from clover_jax import methods
+    from clover_jax.drafters import registry
 
-    return methods.get(hcfg.method).drafter(hcfg, base, rngs=nnx.Rngs(seed))
+    return registry.get(hcfg.method).drafter(hcfg, base, rngs=nnx.Rngs(seed))

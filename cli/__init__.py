@@ -1,0 +1,36 @@
+"""What the command-line tools of `infer/` and `train/` share, and the library does not need: flags,
+prompt files, chat templates, named data sets, exit codes, compile cache and multi-process set-up.
+
+Both tool packages import it (`import cli`, then `cli.read_prompts(...)`); neither imports the other.
+Everything a user can get wrong becomes a `CloverError`, which `run_main` turns into one `error: ...`
+line and exit status 2.
+"""
+
+from cli.chat import (
+    CHAT_TEMPLATES,
+    VICUNA_SYSTEM,
+    add_chat_flags,
+    chat_template_flag,
+    load_tokenizer,
+    read_chat_template,
+)
+from cli.prompts import (
+    encode_prompts,
+    first_prompt,
+    prompt_system,
+    prompt_turns,
+    read_prompt_turns,
+    read_prompts,
+    read_records,
+    record_system,
+)
+from cli.run import INTERRUPTED, batches, check_output_dir, check_plot_format, numbers, run_main
+from cli.runtime import (
+    COMPILE_CACHE_ENV,
+    add_compile_cache_flag,
+    add_distributed_flags,
+    default_compile_cache,
+    init_distributed,
+    mesh_of,
+    use_compile_cache,
+)

@@ -1,0 +1,98 @@
+"""The `--tree` spec language: a user's tree (a name, `chain:D`, `full:WxD`, `widths:..`, JSON paths or
+file, `dynamic:N` / `eagle2:N`, `default`, `fitted`, `paper`, `auto`) resolved against the heads that
+will draft it; and the tree each method drafts by default.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+
+from clover_jax.drafters import registry
+from clover_jax.errors import CloverError
+from clover_jax.plan.auto import PLAIN, auto_tree
+from clover_jax.trees.dynamic import DYNAMIC_KINDS, DynamicTree
+from clover_jax.trees.static import NAMED_TREES, Tree, _positive, chain, from_widths, full
+
+
+def resolve_tree(spec, method: str, num_heads: int, chain_tau=None, sampling: bool = False,
+                 fitted_tree: Tree | None = None) -> Tree:
+    """The tree a user asked for, checked against the heads it will be drafted with.
+
+    spec: None or "default" (`fitted_tree`, the tree fitted to these heads that their directory ships,
+    else the method's paper tree), "fitted" (`fitted_tree`, an error without one), "paper" (the method's
+    paper tree), "auto" (the default tree on an
+    accelerator, on a CPU the chain `chain_tau` says is fastest, `sampling` or not: see `auto_tree`), a
+    name from NAMED_TREES or "mc_sim_7b_63" (both named trees are cut to num_heads), "chain:D",
+    "full:WxD", "widths:W1,W2,...", a JSON list of paths as a string, a JSON file path, a list of paths,
+    a Tree, or a dynamic tree "dynamic:N[,W]" / "eagle2:N[,W]" (a DynamicTree of depth num_heads).
+    """
+    paper = registry.get(method).tree  # what `mc_sim_7b_63` means: the tree the method's own code uses
+    heads = _positive(num_heads, "num_heads")
+    if isinstance(spec, Tree):
+        return Tree.from_paths(spec.paths, heads)
+    if isinstance(spec, DynamicTree):
+        if spec.max_depth > heads:
+            raise CloverError(f"dynamic tree of depth {spec.max_depth} needs more than the {heads} draft heads")
+        return spec
+    if spec is None or (isinstance(spec, str) and spec.strip() == "default"):
+        return _named(paper, heads) if fitted_tree is None else Tree.from_paths(fitted_tree.paths, heads)
+    if isinstance(spec, (list, tuple)):
+        return Tree.from_paths(spec, heads)
+    if not isinstance(spec, str):
+        raise CloverError(f"a tree spec must be a string, a list of paths or None, got {type(spec).__name__}")
+    s = spec.strip()
+    kind, _, arg = s.partition(":")
+    if kind in DYNAMIC_KINDS:
+        return DynamicTree.parse(kind, arg, heads)
+    if s in ("paper", "mc_sim_7b_63"):
+        return _named(paper, heads)
+    if s == "fitted":
+        if fitted_tree is None:
+            raise CloverError("tree fitted: these heads ship no fitted tree (tree.json); fit one with python -m "
+                              "train.evaluate --fit-tree N --record, or draft the paper tree (--tree paper)")
+        return Tree.from_paths(fitted_tree.paths, heads)
+    if s == "auto":
+        picked = auto_tree(heads, chain_tau=chain_tau, sampling=sampling)
+        if picked == PLAIN:
+            raise CloverError(f"tree auto: with these heads no chain is modelled to beat plain decoding on this "
+                              f"{jax.default_backend()} (held-out tau {', '.join(f'{t:.2f}' for t in chain_tau)}); "
+                              "decode without drafting, or name a tree such as chain:1")
+        return resolve_tree(picked, method, heads, fitted_tree=fitted_tree)
+    if s in NAMED_TREES:
+        return _named(s, heads)
+    if kind in ("chain", "full", "widths") and arg:
+        try:
+            nums = [int(x) for x in arg.replace("x", ",").split(",")]
+        except ValueError:
+            raise CloverError(f"tree spec {spec!r}: expected integers after '{kind}:'") from None
+        if kind == "chain" and len(nums) == 1:
+            tree = chain(nums[0])
+        elif kind == "full" and len(nums) == 2 and "x" in arg:
+            tree = full(*nums)
+        elif kind == "widths" and "x" not in arg:
+            tree = from_widths(nums)
+        else:
+            raise CloverError(f"tree spec {spec!r}: write chain:D, full:WxD or widths:W1,W2,...")
+        return Tree.from_paths(tree.paths, heads)
+    if s.startswith(("[", "{")):
+        try:
+            data = json.loads(s)
+        except json.JSONDecodeError as e:
+            raise CloverError(f"tree spec is not valid JSON: {e}") from None
+        return Tree.from_paths(data.get("paths", data) if isinstance(data, dict) else data, heads)
+    if os.path.isfile(s) or s.endswith(".json"):
+        return Tree.from_file(s, heads)
+    raise CloverError(f"unknown tree spec {spec!r}: use default, fitted, paper, auto, {', '.join(NAMED_TREES)}, chain:D, "
+                      "full:WxD, widths:W1,W2,..., dynamic:N, eagle2:N, a JSON list of paths or a .json file")
+
+
+def _named(name: str, heads: int) -> Tree:
+    return Tree.from_paths(NAMED_TREES[name]).truncated(heads)
+
+
+# The tree each method drafts by default, cut to its head count: medusa 64 nodes (depth 4), clover 62
+# nodes (depth 3), clover2 26 nodes (depth 5).
+DEFAULT_TREES = {m: _named(registry.get(m).tree, registry.get(m).depth) for m in registry.HEADS}
