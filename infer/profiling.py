@@ -60,7 +60,7 @@ def profile_ops(generator: Generator, group: list[list[int]], max_new: int, samp
     and rank its operations by time per step (`eos_ids` as the timed runs had them, so that the program
     traced is the one they compiled, not a new one): on an accelerator the device's kernels, on a CPU the events of XLA operations
     (those naming an `hlo_op`), each with its result shape and source (`hlo_sources`): the reading
-    behind the profiles in docs/benchmarks.md."""
+    behind the profiles in docs/history/benchmarks.md."""
     out_dir.mkdir(parents=True, exist_ok=True)
     # No Python tracer: its events (every Python call, a retrace's too) filled the trace's million-event
     # buffer before the CPU's XLA operations were recorded, and the ranking was left with a few copies.

@@ -156,7 +156,7 @@ def test_engine_accepts_what_training_drafts(reference, continuations, method, t
     compaction) and the drafting of each depth lose nothing against training, and a tree's tokens per
     step can be replayed from held-out data (`train.evaluate --tree`, `--fit-tree`). This is also why
     a chain's acceptance at depth 2 sits under head 2's held-out accuracy: steps start where the
-    previous draft failed, and those positions are harder (docs/benchmarks.md)."""
+    previous draft failed, and those positions are harder (docs/history/benchmarks.md)."""
     base = reference[1]
     prompts, seqs = continuations
     heads = load_heads(REF / "heads" / method, base, method)

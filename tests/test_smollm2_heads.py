@@ -109,7 +109,7 @@ def test_heads_of_the_other_model_are_one_error_line(model, heads, smollm2, caps
 def test_auto_on_a_cpu_drafts_as_deep_as_the_heads_held_out_tau_pays():
     """Round 5's Clover-2 recorded its held-out tau per chain depth (1.38 at one head, 1.55 at five): on
     a CPU each further draft adds less than it costs, so `auto` drafts one token a step greedy (MT-Bench:
-    chain:1 1.01x plain decoding, the full chain 0.74x; docs/benchmarks.md). Sampling, a one-draft step
+    chain:1 1.01x plain decoding, the full chain 0.74x; docs/history/benchmarks.md). Sampling, a one-draft step
     costs more than any shipped head's first draft brings (measured: 0.77-0.94x plain decoding drafting at
     every step, 0.87-0.92x paced), so `auto` decodes plain then, for every method."""
     taus = held_out_chain_tau(SHIPPED / "clover2")

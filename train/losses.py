@@ -8,7 +8,7 @@ targets inside the response (loss mask) and inside the sequence count.
 
 `tree_steps` replays decoding's steps over the same teacher-forced drafts (where each target ranks,
 `target_ranks`), which gives the tokens per step a chain through every head, or any static tree, will
-reach; per-head accuracy overstates it (docs/benchmarks.md).
+reach; per-head accuracy overstates it (docs/history/benchmarks.md).
 """
 
 from __future__ import annotations

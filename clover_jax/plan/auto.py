@@ -23,14 +23,14 @@ class ChainCost(NamedTuple):
 
 
 # The fitted cost model, where no cost was timed on the machine itself (`step_cost.chain_cost`): fitted to
-# SmolLM2-135M's step times on a 2-core CPU (docs/benchmarks.md: chain:1 1.25-1.35, chain:2 1.41-1.52,
+# SmolLM2-135M's step times on a 2-core CPU (docs/history/benchmarks.md: chain:1 1.25-1.35, chain:2 1.41-1.52,
 # chain:5 1.85, chain:7 2.05 plain steps): verifying a second row costs a quarter of a plain step there,
 # each further draft and row about a seventh. Another 2-core CPU took 1.60-1.69 for chain:1.
 CPU_CHAIN_COST = ChainCost(1.15, 0.14)
 
 
 # What sampling adds to a speculative step beyond a plain sampling step's own draw, in the fitted model:
-# a draw at each head over the draft vocabulary and the acceptance test (docs/benchmarks.md: a chain:1
+# a draw at each head over the draft vocabulary and the acceptance test (docs/history/benchmarks.md: a chain:1
 # step took 1.36-1.43 plain steps at T=1 against 1.27-1.28 greedy on the same prompt and machine).
 CPU_SAMPLING_COST = 0.10
 

@@ -3,7 +3,7 @@ on a CPU decides by this CPU's figure rather than by one fitted on another.
 
 Why: on a CPU each verified row costs compute, and what a chain:1 step costs against a plain one differs
 from machine to machine by more than a drafter gains: 1.25-1.35 plain steps on one 2-core EPYC, 1.60-1.69
-on another (docs/benchmarks.md), where SmolLM2's heads bring 1.3 tokens a step. The fitted model
+on another (docs/history/benchmarks.md), where SmolLM2's heads bring 1.3 tokens a step. The fitted model
 (`tree.CPU_CHAIN_COST`) picks a chain that loses on the second.
 
 How: plain decoding and unpaced chains through the first head and through every head run on one made-up
