@@ -69,22 +69,34 @@ def machine_info(bandwidth: float) -> dict:
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
 
 
+COLUMNS = ("method", "batch", "tree (nodes)", "vocab", "tau", "tok/s", "speedup", "step ms", "compile s", "compiles",
+           "drafted", "accept@1..D")
+_WIDTHS = (-17, 5, -26, 6, 6, 9, 8, 9, 10, 9, 8)  # the terminal table's columns; negative: left-aligned
+
+
+def cells(r: Row) -> list[str]:
+    """A row's figures as its tables show them, one string per `COLUMNS` entry: the terminal's
+    (`format_table`) and the markdown of docs/results.md (`infer.results`)."""
+    tree = f"{r.tree} ({r.tree_nodes})" if r.tree else "-"
+    vocab = "-" if r.tree_nodes == 1 else str(r.draft_vocab_size or "all")  # plain, or `auto` decoding plain
+    return [r.method if not r.temperature else f"{r.method} T={r.temperature:g}", str(r.batch_size), tree, vocab,
+            "-" if r.tau is None else f"{r.tau:.2f}", f"{r.tokens_per_s:.1f}", f"{r.speedup:.2f}x",
+            f"{r.step_ms:.2f}" if r.step_ms else "-", f"{r.compile_s:.1f}" if r.buckets else "-",
+            f"{r.compilations}/{r.buckets}" if r.buckets else "-", "-" if r.drafted is None else f"{r.drafted:.0%}",
+            " ".join(f"{a:.2f}" for a in r.accept_per_depth)]
+
+
 def format_table(rows: list[Row]) -> str:
-    head = f"{'method':<17}{'batch':>5} {'tree (nodes)':<25}{'vocab':>6}{'tau':>6}{'tok/s':>9}{'speedup':>8}{'step ms':>9}" \
-           f"{'compile s':>10}{'compiles':>9}{'drafted':>8}  accept@1..D"
+    def line(values):  # the tree column's leading space parts it from the batch size
+        return "".join(f"{v:<{-w}}" if w < 0 else f"{v:>{w}}" for v, w in zip(values, _WIDTHS)) + "  " + values[-1]
+
+    head = line([c if c != "tree (nodes)" else " " + c for c in COLUMNS]).rstrip()
     lines = [head, "-" * len(head)]
     for r in rows:
-        tree = f"{r.tree} ({r.tree_nodes})" if r.tree else "-"
-        vocab = "-" if r.tree_nodes == 1 else str(r.draft_vocab_size or "all")  # plain, or `auto` decoding plain
-        compiles = f"{r.compilations}/{r.buckets}" if r.buckets else "-"
+        values = cells(r)
+        values[2] = " " + values[2]
         same = "" if r.matches_plain is None else ("" if r.matches_plain else "  OUTPUT DIFFERS FROM PLAIN")
-        step = f"{r.step_ms:.2f}" if r.step_ms else "-"
-        comp = f"{r.compile_s:.1f}" if r.buckets else "-"
-        tau = "-" if r.tau is None else f"{r.tau:.2f}"
-        drafted = "-" if r.drafted is None else f"{r.drafted:.0%}"
-        name = r.method if not r.temperature else f"{r.method} T={r.temperature:g}"
-        lines.append(f"{name:<17}{r.batch_size:>5} {tree:<25}{vocab:>6}{tau:>6}{r.tokens_per_s:>9.1f}{r.speedup:>7.2f}x"
-                     f"{step:>9}{comp:>10}{compiles:>9}{drafted:>8}  {' '.join(f'{a:.2f}' for a in r.accept_per_depth)}{same}")
+        lines.append(line(values) + same)
     return "\n".join(lines)
 
 
@@ -93,6 +105,15 @@ def tasks_of(rows: list[Row]) -> list[str]:
     task's figures are the table's)."""
     tasks = list(dict.fromkeys(t for r in rows for t in r.per_task))
     return tasks if len(tasks) > 1 else []
+
+
+def task_cell(figures: dict | None) -> str:
+    """One task's figures of a row, `speedup (tau)`: `-` for a speedup where the task's prompts shared
+    batches with others, `-` alone where the row has no prompt of the task."""
+    if not figures:
+        return "-"
+    speed = "-" if figures.get("speedup") is None else f"{figures['speedup']:.2f}x"
+    return speed if figures["tau"] is None else f"{speed} ({figures['tau']:.2f})"
 
 
 def format_tasks(rows: list[Row]) -> str:
@@ -109,12 +130,7 @@ def format_tasks(rows: list[Row]) -> str:
         head = f"{'per task, batch ' + str(b):<34}" + "".join(f"{t[:15]:>16}" for t in tasks)
         lines = [head, "-" * len(head)]
         for r in mine:
-            cells = []
-            for t in tasks:
-                f = r.per_task.get(t)
-                speed = "-" if not f or f.get("speedup") is None else f"{f['speedup']:.2f}x"
-                cells.append("-" if not f else speed if f["tau"] is None else f"{speed} ({f['tau']:.2f})")
-            lines.append(f"{r.name[:33]:<34}" + "".join(f"{c:>16}" for c in cells))
+            lines.append(f"{r.name[:33]:<34}" + "".join(f"{task_cell(r.per_task.get(t)):>16}" for t in tasks))
         tables.append("\n".join(lines))
     return f"speedup over plain (tau) per task; prompts: {counts}\n" + "\n\n".join(tables)
 
