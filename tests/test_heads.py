@@ -1,4 +1,4 @@
-"""The draft heads pinned against SPEC section 2, written out again in plain NumPy (float64).
+"""The draft heads pinned against their papers' equations, written out again in plain NumPy (float64).
 
 Every parameter (heads and base) is re-drawn at random before the comparison, so a zero or identity
 initialisation cannot hide a missing or misplaced term. The initialisations are checked on their own,

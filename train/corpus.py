@@ -1,7 +1,7 @@
 """The training corpus: the running interpreter's standard library `.py` sources.
 
 Every machine that runs this project has them, nobody here wrote them, and they are real, varied
-code with docstrings, so the reference model (SPEC section 5) trains on them. The split is by file
+code with docstrings, so the reference model (`models/reference`) trains on them. The split is by file
 (a stable SHA-1 of the relative path), so held-out loss and evaluation prompts come from files the
 model never saw, and it is the same on every machine with the same Python version.
 """

@@ -30,8 +30,9 @@ def product(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     bfloat16 pass), and the rounding then depends on the product's shape: a verify step's many rows and
     plain decoding's one row round apart, so greedy speculative text left plain decoding's at near-ties
     (four methods of five on MT-Bench, SmolLM2 on an H200, 2026-11-27; the two rerun at full precision matched). Float32
-    here means float32 on every backend, as SPEC's exactness rule assumes; XLA:CPU multiplies float32
-    fully either way, and bfloat16 is unchanged (the fast setting on an accelerator, and not exact)."""
+    here means float32 on every backend, as the promise that greedy speculative text is plain decoding's
+    assumes; XLA:CPU multiplies float32 fully either way, and bfloat16 is unchanged (the fast setting on
+    an accelerator, and not exact)."""
     full = jnp.result_type(a, b) == jnp.float32
     return jnp.einsum(spec, a, b, precision=jax.lax.Precision.HIGHEST if full else None)
 
