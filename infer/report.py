@@ -141,7 +141,7 @@ def exactness_note(rows: list[Row], dtype: str) -> str | None:
         return None
     return (f"In {dtype}, a forward pass over several tokens rounds some logits differently from one over a "
             "single token, so a near-tie can go the other way and the texts part there; in float32 greedy "
-            "speculative decoding writes plain decoding's tokens exactly (README).")
+            "speculative decoding writes plain decoding's tokens exactly (docs/generate.md, \"Exactness and dtype\").")
 
 
 def summary(rows: list[Row], sizes: list[int], dtype: str, efficiency: dict | None, shape: dict | None,

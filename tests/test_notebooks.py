@@ -84,9 +84,9 @@ def test_llama3_notebook_on_a_tiny_local_checkpoint(monkeypatch, tmp_path):
         CLOVER_NB_SEQ_LEN=64, CLOVER_NB_DTYPE="float32",
         CLOVER_NB_QUESTION="print(i)")  # as short as the held-out prompts: one length bucket, compiled once
 
-    # The paper figures printed from the parameter shapes are the README's and the notebook's own table.
-    readme = (REPO / "README.md").read_text()
-    tables = _table_rows(readme.split("### Llama-3-8B-Instruct with Clover-2")[1]) + \
+    # The paper figures printed from the parameter shapes are docs/generate.md's and the notebook's own table.
+    generate_doc = (REPO / "docs" / "generate.md").read_text()
+    tables = _table_rows(generate_doc.split("### Llama-3-8B-Instruct with Clover-2")[1]) + \
         _table_rows("\n".join(c.source for c in nb.cells if c.cell_type == "markdown"))
     assert len(tables) == 10 and all(row in printed for row in tables), printed
     assert "skipped:" not in printed  # every cell did its work on the local model
