@@ -9,14 +9,15 @@ import os
 from pathlib import Path
 
 from clover_jax.errors import CloverError
+from clover_jax.io.sources import cache_root
 
 COMPILE_CACHE_ENV = "CLOVER_JAX_COMPILE_CACHE"
 
 
 def default_compile_cache() -> str:
-    """$CLOVER_JAX_COMPILE_CACHE, else clover-jax/xla under the user's cache folder ($XDG_CACHE_HOME or ~/.cache)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.environ.get(COMPILE_CACHE_ENV) or os.path.join(base, "clover-jax", "xla")
+    """$CLOVER_JAX_COMPILE_CACHE, else xla in the project's cache folder (`sources.cache_root`:
+    $CLOVER_JAX_CACHE, else clover-jax under $XDG_CACHE_HOME or ~/.cache)."""
+    return os.environ.get(COMPILE_CACHE_ENV) or str(cache_root() / "xla")
 
 
 def add_compile_cache_flag(p) -> None:
@@ -25,7 +26,7 @@ def add_compile_cache_flag(p) -> None:
                    help="folder where XLA keeps the compiled programs between runs, so that a later run of the same "
                         "shapes loads them instead of compiling again (the reference model's Clover-2 on the CPU: "
                         "4.5 s of compiling down to 1.6 s); off turns it off (default: $" + COMPILE_CACHE_ENV +
-                        ", else ~/.cache/clover-jax/xla)")
+                        ", else xla in the cache folder: $CLOVER_JAX_CACHE, else ~/.cache/clover-jax)")
 
 
 def use_compile_cache(flag: str | None) -> None:

@@ -434,7 +434,7 @@ def test_mt_bench_alone_is_broken_down_by_its_categories():
 def test_profiling_traces_the_program_the_timed_runs_compiled(tmp_path):
     """--profile with answers that end at EOS (--chat, --stop-at-eos) traces the program the timed runs
     compiled: profiling them without their EOS compiled another (tens of seconds a program on a GPU)."""
-    _, model = load_pretrained("models/reference")
+    _, model = load_pretrained(sources.DEFAULT_MODEL_DIR)
     gen = Generator(model)
     prompts, eos = [[5, 6, 7, 8]], (2,)
     gen.generate(prompts, 4, eos_ids=eos, batch_size=1)

@@ -4,7 +4,6 @@ the decoding loop exactly what they drafted in training."""
 
 import json
 import re
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +13,7 @@ from flax import nnx
 
 from clover_jax.drafters import registry
 from clover_jax.io.heads_dir import load_heads
+from clover_jax.io import sources
 from clover_jax.io.hf import load_pretrained
 from clover_jax.engine.decode import Generator
 from clover_jax.model.llama import causal_self_mask
@@ -22,7 +22,7 @@ from clover_jax.trees.spec import resolve_tree
 from infer import generate
 from train import corpus, losses, train
 
-REF = Path(__file__).resolve().parents[1] / "models" / "reference"
+REF = sources.shipped_root() / "reference"
 CARD_LOSS = re.compile(r"prompt-set loss \(first (\d+) prompts, float32\): ([\d.]+) nats/token")
 LOSS_BOUND = 0.02  # nats/token; a broken export (wrong transpose, dtype, tokenizer) is off by far more
 

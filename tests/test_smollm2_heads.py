@@ -96,10 +96,10 @@ def test_shipped_heads_sample_from_the_tokens_holding_the_probability_mass(smoll
         assert AUTO_MASS_COVERAGE <= held < AUTO_MASS_COVERAGE + 0.005, (method, held)
 
 
-@pytest.mark.parametrize("model,heads", [("smollm2", "models/reference/heads/clover2"),
-                                         ("models/reference", "models/smollm2/heads/clover2")])
+@pytest.mark.parametrize("model,heads", [("smollm2", "reference/heads/clover2"),
+                                         (str(sources.DEFAULT_MODEL_DIR), "smollm2/heads/clover2")])
 def test_heads_of_the_other_model_are_one_error_line(model, heads, smollm2, capsys):
-    code = generate.main(["--model", model, "--method", "clover2", "--heads", str(sources.SHIPPED.parent / heads),
+    code = generate.main(["--model", model, "--method", "clover2", "--heads", str(sources.shipped_root() / heads),
                           "--prompt", "Hi", "--max-new-tokens", "2"])
     out, err = capsys.readouterr()
     assert (code, out) == (2, "")

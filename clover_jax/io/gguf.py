@@ -52,12 +52,23 @@ _ROPE_FREQS = "rope_freqs.weight"
 _LLAMA3_ROPE = (1.0, 4.0, 8192)  # low_freq_factor, high_freq_factor, original context of every Llama-3 release
 
 
+def _gguf():
+    """The `gguf` package, which only converting a GGUF file needs (a converted one is read from the
+    cache without it), so the core install leaves it to the tools extra: its absence is one error line."""
+    try:
+        import gguf
+        import gguf.quants
+    except ImportError:
+        raise CloverError('reading a .gguf file (or the named model smollm2) needs the gguf package: '
+                          'pip install "clover-jax[tools]" (in a checkout: pip install -e ".[tools]")') from None
+    return gguf
+
+
 def _reader(path: Path):
     """A `gguf.GGUFReader` over the file, or one error line for a file that is not a whole GGUF."""
-    from gguf import GGUFReader
-
+    reader = _gguf().GGUFReader
     try:
-        return GGUFReader(str(path))
+        return reader(str(path))
     except Exception as e:  # noqa: BLE001 - the reader raises ValueError, struct.error, IndexError, ... on bad files
         if "GGMLQuantizationType" in str(e):
             raise CloverError(f"{path}: holds a tensor of a type the installed gguf package does not know ({e}); "
@@ -144,8 +155,8 @@ def _llama3_rope(reader, path: Path, cfg: dict) -> dict:
 
 def hf_tensors(reader, path: Path, cfg: dict) -> dict[str, np.ndarray]:
     """Every weight as a float32 array under its Hugging Face name, dequantized and in HF's layout."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
+    gguf = _gguf()
+    GGMLQuantizationType, dequantize = gguf.GGMLQuantizationType, gguf.quants.dequantize
 
     layered = cfg["model_type"] == "llama"  # llama.cpp permutes q/k rows for llama files only
     out: dict[str, np.ndarray] = {}
@@ -270,6 +281,7 @@ def gguf_checkpoint(path: str | Path, cache: Path) -> Path:
     if (target / "config.json").is_file():
         _remember_hash(cache, path, digest)
         return target
+    _gguf()  # a missing gguf package is the one line, before a word about converting
     tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:

@@ -24,8 +24,29 @@ from pathlib import Path
 
 from clover_jax.errors import CloverError
 
-# The shipped reference model, found from this file so the tools work from any directory.
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "reference"
+# The folder holding clover_jax/ in a source checkout (or an editable install of one), with models/
+# beside it; a wheel installs that models/ folder as the package data clover_jax/shipped instead
+# (pyproject.toml's package-dir maps the one to the other).
+_CHECKOUT = Path(__file__).resolve().parents[2]
+_INSTALLED = Path(__file__).resolve().parents[1] / "shipped"
+
+
+def shipped_root() -> Path:
+    """The folder of what the project ships (reference/: the reference model and its heads;
+    smollm2/heads/: the heads for the named model smollm2), by one rule: the repository's models/ when
+    this package sits in a source checkout (pyproject.toml and models/ beside clover_jax/: a checkout or
+    an editable install), else the copy a wheel installs as package data, clover_jax/shipped. The
+    checkout needs its pyproject.toml too, so a stray site-packages/models of some other package is
+    never taken for ours."""
+    if (_CHECKOUT / "pyproject.toml").is_file() and (_CHECKOUT / "models").is_dir():
+        return _CHECKOUT / "models"
+    return _INSTALLED
+
+
+# What the project ships for a named model (SHIPPED/NAME: its heads, model card) and the reference model,
+# the default of every tool; found from this file, so the tools work from any directory.
+SHIPPED = shipped_root()
+DEFAULT_MODEL_DIR = SHIPPED / "reference"
 
 
 def model_dir(path: str | Path | None) -> Path:
@@ -40,8 +61,8 @@ def model_dir(path: str | Path | None) -> Path:
 
 
 def heads_root(model: str | Path | None, path: Path) -> Path:
-    """Where the heads trained for a model live: models/NAME/heads in this repository for a named model,
-    else beside the checkpoint (`path`, its directory)."""
+    """Where the heads trained for a model live: NAME/heads in the shipped folder (`shipped_root`) for a
+    named model, else beside the checkpoint (`path`, its directory)."""
     return (shipped_dir(model) or path) / "heads"
 
 
@@ -87,10 +108,6 @@ SOURCES = {
                        "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7",
                        "FastChat's MT-Bench question.jsonl: 80 questions, two turns, eight categories"),
 }
-
-
-# The directory beside this package that holds what the project ships for a named model (its heads).
-SHIPPED = Path(__file__).resolve().parents[2] / "models"
 
 
 def is_named(spec, kind: str | None = None) -> bool:
@@ -181,7 +198,7 @@ def model_path(spec: str | Path) -> Path:
 
 
 def shipped_dir(spec: str | Path | None) -> Path | None:
-    """The repository's own folder for a named model (models/NAME: its heads, model card), if it has one."""
+    """The project's own folder for a named model (NAME in `shipped_root`: its heads, model card), if it has one."""
     return SHIPPED / str(spec) if is_named(spec, "model") else None
 
 
