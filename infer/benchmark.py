@@ -37,16 +37,16 @@ from clover_jax.io.hf import load_pretrained
 from clover_jax.engine.decode import BUCKETS, Generator, GenerationOutput, bucket_for
 from clover_jax.drafters.vocab import parse_size
 from clover_jax.errors import CloverError
+from clover_jax.api import DTYPES
 from clover_jax.engine.sampling import SamplingConfig
-from clover_jax.model.sharding import make_mesh
 from clover_jax.plan.auto import PLAIN
+from clover_jax.plan.factory import METHODS, LoadedDrafter, drafting_plan, load_drafter, make_generator
 from clover_jax.trees.static import Tree
 from clover_jax.trees.fit import fit_to_hits
 import cli
 from infer import report
 from infer.bandwidth import SAMPLE_PROMPTS, BandwidthProbe, plain_efficiency, plain_phases
 from cli.conversation import answer_turns, record_turns
-from infer.generate import DTYPES, METHODS, drafting_plan, make_generator
 from infer.profiling import profile_folder, profile_ops
 from infer.report import Row, label
 from infer.tasks import first_of_each_task, per_task, task_speedups, tasks_of
@@ -155,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape-layers", type=int, metavar="L", help="with --shape: keep only the first L layers (a quicker, smaller run)")
     p.add_argument("--mesh", metavar="SPEC", help="shard the engine over devices, e.g. data=2,model=4 or model=-1 "
                                                  "(as infer.generate's --mesh; default: one device)")
+    cli.add_distributed_flags(p)
     p.add_argument("--profile", metavar="DIR",
                    help="also trace one batch of each method (first batch size and temperature) with jax.profiler "
                         "into DIR/<method> (Perfetto traces, for ui.perfetto.dev or TensorBoard) and report each "
@@ -184,19 +185,19 @@ def _configs(specs: list[str], methods: list[str]) -> list[tuple[str, str | None
     return [("plain", None)] + [(m, t) for m, ts in trees.items() for t in (list(dict.fromkeys(ts)) or ["auto"])]
 
 
-def planned(model, method: str, spec: str | None, value: str | None, heads_dir: Path, draft_vocab, sampling: bool,
-            model_path, mesh=None) -> tuple[str | None, float | None]:
+def planned(model, drafter: LoadedDrafter | None, spec: str | None, value: str | None, draft_vocab, sampling: bool,
+            mesh=None) -> tuple[str | None, float | None]:
     """(the tree spec a row runs, PLAIN where `auto` decodes plain, "fitted" for the heads' fitted tree,
-    None for the paper tree; its step
-    cost) for tree `spec` and `--step-cost` `value`, as infer.generate plans them
-    (`generate.drafting_plan`: on a CPU `auto` is a chain, its depth picked by the heads' held-out chain
-    tau and this machine's timed chain step cost), so that each row names the tree it ran."""
-    if method == "plain":
+    None for the paper tree; its step cost) for `drafter` (None: plain decoding), tree `spec` and
+    `--step-cost` `value`, as infer.generate plans them (`factory.drafting_plan`: on a CPU `auto` is a
+    chain, its depth picked by the heads' held-out chain tau and this machine's timed chain step cost),
+    so that each row names the tree it ran."""
+    if drafter is None:
         return spec, None
-    tree, cost = drafting_plan(model, method, model_path=model_path, heads=str(heads_dir), tree=spec,
-                               draft_vocab=draft_vocab, greedy=not sampling, step_cost=value, mesh=mesh)
+    tree, cost = drafting_plan(model, drafter.method, drafter=drafter, tree=spec, draft_vocab=draft_vocab,
+                               greedy=not sampling, step_cost=value, mesh=mesh)
     if tree in (None, "default"):  # the heads' fitted tree where they have one, and the rows say so
-        tree = "fitted" if (heads_dir / TREE).is_file() else None
+        tree = "fitted" if drafter.heads_dir is not None and (drafter.heads_dir / TREE).is_file() else None
     return tree, cost
 
 
@@ -441,14 +442,16 @@ def _benchmark(args: argparse.Namespace) -> int:
     records = records[: args.num_prompts] if args.per_task is None else first_of_each_task(records, args.per_task)
     texts = cli.prompt_turns(records)
     prompts = cli.encode_prompts(tokenizer, texts, args.chat, args.system, cfg.bos_token_id)
-    mesh = make_mesh(args.mesh) if args.mesh else None
+    mesh = cli.mesh_of(args)
     _, model = load_pretrained(path, dtype=DTYPES[args.dtype], mesh=mesh)
     heads_root = Path(args.heads_root) if args.heads_root else sources.heads_root(args.model, path)
+    # Each method's drafter is loaded once, for every tree, temperature and batch size it runs at.
+    drafters = {m: load_drafter(model, m, heads=heads_root / m, seed=args.seed) for m in methods if m != "plain"}
     temps = cli.numbers(args.temperatures, "--temperatures", float, "numbers", "0,1", 0)
     # `auto` may stand for another tree (or none: PLAIN) when sampling, whose steps cost more.
     at_temp = {}
     for t in temps:
-        plans = [(m, *planned(model, m, spec, sc, heads_root / m, dv, t > 0, path, mesh), dv) for m, spec, dv, sc in configs]
+        plans = [(m, *planned(model, drafters.get(m), spec, sc, dv, t > 0, mesh), dv) for m, spec, dv, sc in configs]
         at_temp[t] = list(dict.fromkeys((m, tree, dv, cost) for m, tree, cost, dv in plans))
 
     _check_outputs(args)
@@ -459,9 +462,8 @@ def _benchmark(args: argparse.Namespace) -> int:
                           "speculative method, one --tree, one temperature and one batch size")
     if args.fit_tree:
         [(m, spec, dv, cost)] = drafting
-        check_fit_source(make_generator(model, m, model_path=path, heads=str(heads_root / m), tree=spec,
-                                        draft_vocab=dv, greedy=temps[0] == 0, step_cost=cost, mesh=mesh).tree,
-                         args.fit_tree)
+        check_fit_source(make_generator(model, m, drafter=drafters[m], tree=spec, draft_vocab=dv,
+                                        greedy=temps[0] == 0, step_cost=cost, mesh=mesh).tree, args.fit_tree)
     tasks = tasks_of(records)
     eos = tokenization.eos_ids(path, cfg, tokenizer)
     stop_at_eos = args.chat if args.stop_at_eos is None else args.stop_at_eos
@@ -489,11 +491,9 @@ def _benchmark(args: argparse.Namespace) -> int:
                 generators = {}
                 configs = at_temp[temp]
                 for method, spec, dv, cost in configs:
-                    heads = None if method == "plain" else str(heads_root / method)
                     generators[label(method, paced(spec, cost), draft_vocab=dv)] = make_generator(
-                        model, "plain" if spec == PLAIN else method, model_path=path, heads=heads, tree=spec,
-                        seed=args.seed, mesh=mesh,
-                        draft_vocab=dv, greedy=sampling.greedy, buckets=buckets, step_cost=cost)
+                        model, "plain" if spec == PLAIN else method, drafter=drafters.get(method), tree=spec,
+                        mesh=mesh, draft_vocab=dv, greedy=sampling.greedy, buckets=buckets, step_cost=cost)
                 measured = run_engines(generators, prompts, b, args.max_new_tokens, args.repeats, progress,
                                        sampling, args.seed, tasks, answer_eos)
                 if args.profile and b == sizes[0] and temp == temps[0]:

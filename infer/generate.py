@@ -12,30 +12,21 @@ import argparse
 import json
 import sys
 
-import jax.numpy as jnp
 from tqdm import tqdm
 
+from clover_jax.api import DTYPES, finish_reason
 from clover_jax.drafters import registry
-from clover_jax.io.heads_dir import held_out_chain_tau, load_draft_vocab, load_fitted_tree, load_heads
-from clover_jax.model.config import ModelConfig
-from clover_jax.io.hf import load_pretrained
-from clover_jax.engine.decode import BUCKETS, Generator
-from clover_jax.errors import CloverError
-from clover_jax.drafters.heads import HeadsConfig, make_heads
-from clover_jax.model.llama import Llama
+from clover_jax.engine.decode import Generator
 from clover_jax.engine.sampling import SamplingConfig
+from clover_jax.errors import CloverError
+from clover_jax.io import sources, tokenization
+from clover_jax.io.hf import load_pretrained
+from clover_jax.model.config import ModelConfig
 from clover_jax.model.sharding import describe_mesh
-from clover_jax.engine.speculative import SpeculativeGenerator
-from clover_jax.plan.step_cost import chain_cost
-from clover_jax.plan.auto import PLAIN, auto_tree, step_cost_for
-from clover_jax.trees.spec import resolve_tree
+from clover_jax.plan.factory import METHODS, make_generator
 import cli
 from cli.conversation import answer_turns, record_turns
-from clover_jax.io import sources
-from clover_jax.io import tokenization
-
-METHODS = ("plain",) + registry.BUILT_IN
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+from cli.stream import StreamPrinter
 
 EPILOG = """\
 examples:
@@ -158,85 +149,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-class StreamPrinter:
-    """Prints one sequence's text as its tokens arrive (`Generator.generate`'s on_tokens): the whole
-    decoded so far less what is already shown, since decoding token by token could split a character
-    that spans tokens, or drop a space a tokenizer adds only between tokens."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.shown = ""
-
-    def __call__(self, tokens, counts) -> None:
-        self.show(tokens[0, : counts[0]].tolist())
-
-    def show(self, tokens: list[int], final: bool = False) -> None:
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        if not final and (text.endswith("\ufffd") or not text.startswith(self.shown)):
-            return  # a character still in the making, or a decoding that may yet settle: wait
-        # What a later decoding rewrote is printed again after a line break: nothing is ever lost.
-        sys.stdout.write(text[len(self.shown):] if text.startswith(self.shown) else "\n" + text)
-        sys.stdout.flush()
-        self.shown = text
-
-
-def load_drafter(model: Llama, method: str, *, model_path, heads: str | None = None, num_heads: int | None = None,
-                 seed: int = 0):
-    """(the drafter, its heads directory): the heads in `heads` (a directory, "random" for untrained
-    ones, None for the ones shipped beside the model at `model_path`); no directory for random heads."""
-    if heads == "random":
-        return make_heads(HeadsConfig(method, num_heads or registry.get(method).depth), model, seed=seed), None
-    shipped = sources.heads_root(model_path, sources.model_dir(model_path)) / method
-    if heads is None and not shipped.is_dir():
-        raise CloverError(f"no {method} heads at {shipped}; pass --heads DIR, or --heads random for untrained heads")
-    heads_dir = heads or shipped
-    return load_heads(heads_dir, model, method), heads_dir
-
-
-def plan_tree(model: Llama, draft, heads_dir, vocab, *, tree: str | None, greedy: bool,
-              step_cost: str | float | None, mesh=None) -> tuple[str | None, float | None]:
-    """(the tree spec to draft, or PLAIN; the step cost to pace it by) for a `--tree` and a `--step-cost`
-    value: `auto` picks by the heads' held-out chain tau and, on a CPU, this machine's timed chain step
-    cost (`step_cost.chain_cost`, timed once and kept); any other tree is as given."""
-    sampling = not greedy
-    timed = chain_cost(model, draft, vocab, sampling, mesh) if tree == "auto" else None
-    picked = auto_tree(draft.num_heads, chain_tau=held_out_chain_tau(heads_dir), sampling=sampling, cost=timed)
-    spec = picked if tree == "auto" else tree
-    return spec, None if spec == PLAIN else step_cost_for(step_cost, tree, picked, sampling=sampling, cost=timed)
-
-
-def drafting_plan(model: Llama, method: str, *, model_path, heads: str | None = None, tree: str | None = None,
-                  num_heads: int | None = None, seed: int = 0, mesh=None, draft_vocab: str | int | None = "auto",
-                  greedy: bool = True, step_cost: str | float | None = "auto") -> tuple[str | None, float | None]:
-    """What `make_generator` drafts with these arguments: `plan_tree`'s (tree spec or PLAIN, step cost)."""
-    draft, heads_dir = load_drafter(model, method, model_path=model_path, heads=heads, num_heads=num_heads, seed=seed)
-    return plan_tree(model, draft, heads_dir, load_draft_vocab(heads_dir, model, draft_vocab, greedy), tree=tree,
-                     greedy=greedy, step_cost=step_cost, mesh=mesh)
-
-
-def make_generator(model: Llama, method: str, *, model_path, heads: str | None = None, tree: str | None = None,
-                   num_heads: int | None = None, max_len: int | None = None, seed: int = 0,
-                   mesh=None, draft_vocab: str | int | None = "auto", greedy: bool = True,
-                   buckets=BUCKETS, step_cost: str | float | None = "auto") -> Generator:
-    """The generator for `method`: plain, or a speculative one with its heads (`load_drafter`), its tree
-    (a spec; None for the method's default), its draft vocabulary (a `--draft-vocab` value; `greedy`
-    says which `auto` means) and its pacing (a `--step-cost` value), as `plan_tree` plans them;
-    `buckets` are the prompt lengths it pads to (`Generator`). Tree `auto` with heads no chain of which
-    pays here (PLAIN) gives a plain generator: drafting would only slow it."""
-    if max_len is not None and max_len < 2:
-        raise CloverError(f"--max-len {max_len} must be >= 2 (a prompt token plus a new one)")
-    if method == "plain":
-        return Generator(model, max_len=max_len, mesh=mesh, buckets=buckets)
-    draft, heads_dir = load_drafter(model, method, model_path=model_path, heads=heads, num_heads=num_heads, seed=seed)
-    vocab = load_draft_vocab(heads_dir, model, draft_vocab, greedy)
-    spec, cost = plan_tree(model, draft, heads_dir, vocab, tree=tree, greedy=greedy, step_cost=step_cost, mesh=mesh)
-    if spec == PLAIN:
-        return Generator(model, max_len=max_len, mesh=mesh, buckets=buckets)
-    drafted = resolve_tree(spec, method, draft.num_heads, fitted_tree=load_fitted_tree(heads_dir, draft.num_heads))
-    return SpeculativeGenerator(model, draft, drafted, max_len=max_len,
-                                buckets=buckets, mesh=mesh, draft_vocab=vocab, step_cost=cost)
-
-
 class Tally:
     """What the statistics line reports, summed over generate calls."""
 
@@ -328,7 +240,7 @@ def answer_line(tokenizer, prompt: str, tokens: list[int], steps: int, eos: tupl
     if not as_json:
         return text
     return json.dumps({"prompt": prompt, **fields, "text": text, "tokens": tokens, "num_tokens": len(tokens),
-                       "finish_reason": "eos" if tokens and tokens[-1] in eos else "length", "steps": steps,
+                       "finish_reason": finish_reason(tokens, eos), "steps": steps,
                        "tau": round(len(tokens) / max(steps, 1), 4)}, ensure_ascii=False)
 
 

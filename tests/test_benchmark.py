@@ -16,6 +16,7 @@ from clover_jax.engine.decode import Generator
 from clover_jax.engine.sampling import SamplingConfig
 from clover_jax.trees.static import Tree
 from clover_jax.trees.fit import fit_to_hits
+from clover_jax.plan.factory import load_drafter
 from clover_jax.trees.spec import resolve_tree
 from conftest import tiny_llama_checkpoint
 import cli
@@ -90,7 +91,7 @@ def test_default_tree_is_auto_and_each_row_names_the_tree_it_used(tmp_path, caps
     _, model = load_pretrained(path)
     heads = path / "heads" / "medusa"
     plan = lambda spec, heads_dir, sampling=False, cost="auto": benchmark.planned(
-        model, "medusa", spec, cost, heads_dir, "auto", sampling, path)
+        model, load_drafter(model, "medusa", heads=heads_dir), spec, cost, "auto", sampling)
     assert plan("auto", heads) == ("chain:4", 1.71) and plan(None, heads) == (None, None)
     recorded = tmp_path / "medusa"  # heads recording their held-out tau per depth: auto reads it
     shutil.copytree(heads, recorded)

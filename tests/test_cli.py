@@ -26,6 +26,7 @@ from conftest import tiny_llama_checkpoint
 import cli
 from clover_jax.io import sources
 from cli import conversation
+from cli.stream import StreamPrinter
 from infer import generate
 from clover_jax.io import tokenization
 
@@ -152,9 +153,9 @@ def test_stream_prints_the_same_text_as_it_is_written(method, model_dir, hf_tok,
     prompts = ["def add(a, b):", "class Point:"]
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    seen: dict[generate.StreamPrinter, list[int]] = {}  # printer (kept alive, so never confused) -> its counts
-    handed = generate.StreamPrinter.__call__
-    monkeypatch.setattr(generate.StreamPrinter, "__call__",
+    seen: dict[StreamPrinter, list[int]] = {}  # printer (kept alive, so never confused) -> its counts
+    handed = StreamPrinter.__call__
+    monkeypatch.setattr(StreamPrinter, "__call__",
                         lambda self, tokens, counts: (seen.setdefault(self, []).append(int(counts[0])),
                                                       handed(self, tokens, counts)))
     spec = [] if method == "plain" else ["--method", method, "--heads", "random", "--tree", "chain:2"]
@@ -215,7 +216,7 @@ def test_stream_printer_waits_for_whole_characters(capsys):
             return bytes(ids).decode("utf-8", errors="replace")
 
     ids = list("aé b".encode())
-    printer = generate.StreamPrinter(Bytes())
+    printer = StreamPrinter(Bytes())
     pieces = []
     for n in range(1, len(ids) + 1):
         printer(np.asarray([ids]), np.asarray([n]))
@@ -228,7 +229,7 @@ def test_stream_printer_waits_for_whole_characters(capsys):
         def decode(self, ids, skip_special_tokens=True):
             return "ab" if len(ids) == 1 else "xyz"
 
-    printer = generate.StreamPrinter(Rewrites())
+    printer = StreamPrinter(Rewrites())
     printer(np.asarray([[5, 6]]), np.asarray([1]))
     printer(np.asarray([[5, 6]]), np.asarray([2]))  # not a continuation of "ab": held back
     printer.show([5, 6], final=True)

@@ -16,6 +16,7 @@ from clover_jax.drafters.vocab import AUTO_MASS_COVERAGE
 from clover_jax.engine.decode import Generator
 from clover_jax.plan.auto import PLAIN, auto_tree
 from clover_jax.trees.spec import resolve_tree
+from clover_jax.plan import factory
 from infer import generate
 from clover_jax.io import tokenization
 
@@ -49,13 +50,13 @@ def test_shipped_heads_decode_exactly_as_plain_decoding(method, smollm2, plain_a
     tokens took 10 s of a 35-second test on this CPU.)"""
     model, _ = smollm2
     ids, plain = plain_answers
-    tree = generate.make_generator(model, method, model_path="smollm2", tree="default", max_len=256)
+    tree = factory.make_generator(model, method, model_path="smollm2", tree="default", max_len=256)
     assert tree.tree == load_fitted_tree(SHIPPED / method, registry.get(method).depth)  # the heads' own tree
     out = tree.generate(ids[:1], 24, eos_ids=())
     assert out.tokens == plain[:1]
     assert out.steps < 24  # the heads draft something a real answer accepts
     depth = registry.get(method).depth
-    chain = generate.make_generator(model, method, model_path="smollm2", tree=f"chain:{depth}", max_len=256)
+    chain = factory.make_generator(model, method, model_path="smollm2", tree=f"chain:{depth}", max_len=256)
     assert chain.generate(ids, 24, eos_ids=()).tokens == plain
 
 

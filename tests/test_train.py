@@ -34,6 +34,7 @@ from clover_jax.drafters.registry import BUILT_IN as METHODS, HEADS
 from clover_jax.model.llama import causal_self_mask
 from clover_jax.trees.spec import resolve_tree
 from conftest import save_tiny_llama, tiny_tokenizer
+from clover_jax.plan import factory
 from infer import generate
 from train import evaluate, losses, runs
 from train import make_data
@@ -619,10 +620,10 @@ def test_evaluate_fits_a_tree_that_default_then_drafts(trained, model_dir, datas
     fitted = load_fitted_tree(heads, NUM_HEADS)
     assert fitted.num_nodes == 6 and (0,) in fitted.paths
     base = _base(model_dir)
-    gen = generate.make_generator(base, "clover2", model_path=str(model_dir), heads=str(heads), tree="default")
+    gen = factory.make_generator(base, "clover2", model_path=str(model_dir), heads=str(heads), tree="default")
     assert gen.tree == fitted
-    assert generate.make_generator(base, "clover2", model_path=str(model_dir), heads=str(heads),
-                                   tree="paper").tree == resolve_tree("paper", "clover2", NUM_HEADS)
+    assert factory.make_generator(base, "clover2", model_path=str(model_dir), heads=str(heads),
+                                  tree="paper").tree == resolve_tree("paper", "clover2", NUM_HEADS)
     assert evaluate.main(["--heads", str(heads), *data, "--tree", "default", "--tree", "fitted"]) == 0
     again = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  tree ")]
     assert again[0].replace("default", "fitted") == again[1]  # the same tree, the same replay

@@ -55,6 +55,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from clover_jax.api import DTYPES
 from clover_jax.io import sources
 from clover_jax.io.heads_dir import base_fingerprint
 from clover_jax.model.config import ModelConfig
@@ -64,14 +65,13 @@ from clover_jax.errors import CloverError
 from clover_jax.io.files import write_text
 from clover_jax.model.llama import Llama, causal_self_mask, low_mid_high
 from clover_jax.engine.sampling import SamplingConfig
-from clover_jax.model.sharding import make_mesh, put_batch
+from clover_jax.model.sharding import put_batch
 import cli
 from cli.conversation import answer_turns, encode_conversation, masked_ids, record_turns
 from train.answers import AnswerStore
 from train.data import HIDDEN_DTYPES, META, PARTIAL, prepare_dataset_dir, save_array
 from clover_jax.io import tokenization
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 SAVE_EVERY_S = 60.0  # how often the hidden-state pass records how far it got
 
 
@@ -431,6 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", metavar="SPEC",
                    help="shard the base model over this process's devices, e.g. model=8 or data=2,model=4 (axes "
                         "data, fsdp, model; one may be -1 for the rest); default: one device")
+    cli.add_distributed_flags(p)
     cli.add_compile_cache_flag(p)
     return p
 
@@ -484,7 +485,7 @@ def make_data(args: argparse.Namespace) -> int:
 
     buckets = data_buckets(max_len, cli.numbers(args.buckets, "--buckets", int, "integers", "512,1024", 1)
                            if args.buckets else None)
-    mesh = make_mesh(args.mesh) if args.mesh else None
+    mesh = cli.mesh_of(args)
     _, model = load_pretrained(base_dir, dtype=DTYPES[args.dtype], mesh=mesh)
     out = Path(args.out)
     prepare_dataset_dir(out)

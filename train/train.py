@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from clover_jax.drafters import registry
 from clover_jax.io.heads_dir import WEIGHTS, load_heads, read_heads_config, save_heads
+from clover_jax.api import DTYPES
 from clover_jax.io.hf import load_pretrained
 from clover_jax.engine.decode import to_host
 from clover_jax.drafters.vocab import DraftVocab, probability_mass, token_counts
@@ -43,7 +44,6 @@ from train.data import HeadDataset
 from train.runs import MetricsLog, pin_run, restore_latest, stop_due, stop_on_interrupt
 from clover_jax.io import sources
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 MASS_EXAMPLES = 256  # the exported probability mass sums over at most this many examples, evenly spaced
 
 
