@@ -231,8 +231,6 @@ class TableHeads(Heads):
     """A drafter whose every probability is known: head k's logits at a node holding token t are
     table[k, t], whatever the context (no state, no Augmenting Block)."""
 
-    token_dependent = True
-
     def __init__(self, base_cfg, table):
         super().__init__(HeadsConfig("clover", table.shape[0]), base_cfg, [])
         self.table = nnx.Param(jnp.asarray(table, jnp.float32))

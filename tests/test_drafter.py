@@ -20,6 +20,7 @@ from clover_jax.drafters.vocab import DraftVocab
 from clover_jax.drafters.base import Committed, Drafter, Frontier
 from clover_jax.engine.drafting import draft_tree
 from clover_jax.drafters.heads import HeadsConfig, make_heads
+from clover_jax.drafters.losses import cross_entropy
 from clover_jax.model.layers import DecoderLayer, Linear
 from clover_jax.model.llama import Llama
 from clover_jax.engine.speculative import SpeculativeGenerator
@@ -53,7 +54,7 @@ class TinyEagle(nnx.Module, Drafter):
         self.layer = DecoderLayer(base.cfg, dtype=dtype, rngs=rngs)
 
     @property
-    def num_heads(self) -> int:
+    def depth(self) -> int:
         return self.hcfg.num_heads
 
     def init(self, base, batch, cache_len, mesh=None):
@@ -88,7 +89,7 @@ class TinyEagle(nnx.Module, Drafter):
 
 
 TINY_EAGLE = registry.register(registry.Method("tiny-eagle", TinyEagle, depth=3, tree="eagle_mc_sim_7b_63",
-                                             loss="cross_entropy"))
+                                             loss=cross_entropy))
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from clover_jax.errors import CloverError
 from clover_jax.drafters.heads import HeadsConfig
 from clover_jax.model.llama import Llama, causal_self_mask
 from test_drafter import chain_logits, perturbed
-from train import losses
+from clover_jax.drafters.eagle3 import eagle3_loss
 
 pytestmark = pytest.mark.optimized  # its time goes into running programs, not compiling them
 
@@ -31,7 +31,7 @@ def base():
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_training_drafts_what_decoding_drafts(base, method):
-    """`drafts` step k at position t (the training-time test, fed the true tokens and its own outputs)
+    """`train_forward` step k at position t (the training-time test, fed the true tokens and its own outputs)
     equals decoding: commit the prefix 0..t, then draft the chain x_{t+1}, x_{t+2}, ... node by node;
     depth k's logits are step k's."""
     drafter = perturbed(method, base, DEPTH)
@@ -39,7 +39,7 @@ def test_training_drafts_what_decoding_drafts(base, method):
     tokens = jnp.asarray(np.random.default_rng(0).integers(3, base.cfg.vocab_size, (b, t_len)), jnp.int32)
     out = base(tokens, jnp.broadcast_to(jnp.arange(t_len), (b, t_len)), causal_self_mask(b, t_len),
                feature_layers=drafter.feature_layers)
-    _, logits = drafter.drafts(base, out.hidden, out.features, tokens)
+    _, logits = drafter.train_forward(base, tokens, out.hidden, out.hidden_normed, out.features)
     assert logits.shape == (DEPTH, b, t_len, base.cfg.vocab_size)
     checked = 0
     for t in range(t_len - 1):
@@ -74,7 +74,7 @@ def test_eagle3_scores_only_its_draft_vocabulary(base):
     head = jnp.full((k, b, t, v), -1e9).at[..., ids].set(jnp.asarray(rng.normal(size=(k, b, t, 6)), jnp.float32))
     base_logits = jnp.asarray(rng.normal(size=(b, t, v)), jnp.float32).at[..., ids].add(20.0)
     tokens, mask = jnp.zeros((b, t), jnp.int32), jnp.ones((b, t))
-    loss, per_head, _, _ = losses.eagle3_loss(None, head, None, base_logits, tokens, mask)
+    loss, per_head, _, _ = eagle3_loss(None, head, None, base_logits, tokens, mask)
     # Step k counts the positions whose token t+2+k is inside the window (step 0: 0 and 1; step 1: 0),
     # and its target at position t is the base distribution at t+1+k.
     ce = lambda k, pos: -(jax.nn.softmax(base_logits[0, pos + 1 + k, ids])

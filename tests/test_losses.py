@@ -1,12 +1,14 @@
-"""`train.losses` against explicit loops over tiny NumPy arrays (and PyTorch's smooth L1): each
-method's loss, per-head weights and masks, top-k accuracy, and the chain replay that `train.train`
-reports as held-out chain tau."""
+"""The losses (`clover_jax.drafters.losses`, Clover-2's `distill_loss`) and `train.losses`' metrics
+against explicit loops over tiny NumPy arrays (and PyTorch's smooth L1): each method's loss, per-head
+weights and masks, top-k accuracy, and the chain replay that `train.train` reports as held-out chain tau."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
+from clover_jax.drafters import losses as shared
+from clover_jax.drafters.clover2 import distill_loss
 from train import losses
 
 
@@ -43,7 +45,7 @@ def _case(seed=0, k_heads=3, b_size=2, t_len=6, vocab=5, dim=3):
 def test_elementwise_losses_and_weights():
     rng = np.random.default_rng(1)
     a, b = rng.normal(size=(2, 4, 3)).astype(np.float32) * 1.5, rng.normal(size=(2, 4, 3)).astype(np.float32)
-    got = np.asarray(losses.smooth_l1(a, b))
+    got = np.asarray(shared.smooth_l1(a, b))
     want = np.array([[_smooth_l1(a[i, j], b[i, j]) for j in range(4)] for i in range(2)])
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     assert (np.abs(a - b) > 1).any() and (np.abs(a - b) < 1).any()  # both branches are exercised
@@ -52,22 +54,22 @@ def test_elementwise_losses_and_weights():
 
     logits, p = rng.normal(size=(3, 5)), rng.dirichlet(np.ones(5), size=3)
     want = [-sum(p[i, v] * _log_softmax(logits[i])[v] for v in range(5)) for i in range(3)]
-    np.testing.assert_allclose(losses.soft_cross_entropy(jnp.asarray(logits, jnp.float32),
+    np.testing.assert_allclose(shared.soft_cross_entropy(jnp.asarray(logits, jnp.float32),
                                                          jnp.asarray(p, jnp.float32)), want, rtol=1e-5)
-    np.testing.assert_allclose(losses.head_weights(3), [1.0, 0.7, 0.49], rtol=1e-6)
-    np.testing.assert_allclose(losses.masked_mean(jnp.ones(3), jnp.zeros(3)), 0.0)  # nothing counted: 0
+    np.testing.assert_allclose(shared.head_weights(3), [1.0, 0.7, 0.49], rtol=1e-6)
+    np.testing.assert_allclose(shared.masked_mean(jnp.ones(3), jnp.zeros(3)), 0.0)  # nothing counted: 0
     x = np.arange(12, dtype=np.int32).reshape(2, 6)
-    np.testing.assert_array_equal(losses.shift_left(x, 2), [[2, 3, 4, 5, 0, 0], [8, 9, 10, 11, 0, 0]])
+    np.testing.assert_array_equal(shared.shift_left(x, 2), [[2, 3, 4, 5, 0, 0], [8, 9, 10, 11, 0, 0]])
     mask = np.array([[0, 1, 1, 0, 1, 1]], np.float32)
     for k in range(4):
         want = [float(_counted(mask, k, 0, t)) for t in range(6)]
-        np.testing.assert_array_equal(losses.target_mask(mask, k)[0], want)
+        np.testing.assert_array_equal(shared.target_mask(mask, k)[0], want)
 
 
 def test_cross_entropy_loss_by_hand():
     c = _case()
     k_heads, b_size, t_len, _ = c["head_logits"].shape
-    loss, per_head, masks, targets = losses.cross_entropy_loss(c["head_logits"], c["tokens"], c["loss_mask"])
+    loss, per_head, masks, targets = shared.cross_entropy_loss(c["head_logits"], c["tokens"], c["loss_mask"])
     want_per_head = []
     for k in range(k_heads):
         terms = [-_log_softmax(c["head_logits"][k, b, t])[c["tokens"][b, t + 2 + k]]
@@ -86,7 +88,7 @@ def test_cross_entropy_loss_head_without_targets_counts_zero():
     """T=5 and three heads: head 2 may only train at t=0 (token 4), which is a prompt token here."""
     c = _case(seed=2, t_len=5)
     c["loss_mask"] = np.array([[0, 0, 1, 1, 0], [0, 1, 1, 1, 0]], np.float32)
-    _, per_head, masks, _ = losses.cross_entropy_loss(c["head_logits"], c["tokens"], c["loss_mask"])
+    _, per_head, masks, _ = shared.cross_entropy_loss(c["head_logits"], c["tokens"], c["loss_mask"])
     assert float(jnp.sum(masks[2])) == 0 and float(per_head[2]) == 0
     assert np.isfinite(np.asarray(per_head)).all()
 
@@ -94,7 +96,7 @@ def test_cross_entropy_loss_head_without_targets_counts_zero():
 def test_distill_loss_by_hand():
     c = _case(seed=3)
     k_heads, b_size, t_len, _ = c["head_logits"].shape
-    loss, per_head, masks, targets = losses.distill_loss(c["head_hidden"], c["head_logits"], c["base_normed"],
+    loss, per_head, masks, targets = distill_loss(c["head_hidden"], c["head_logits"], c["base_normed"],
                                                          c["base_logits"], c["tokens"], c["loss_mask"])
     want_per_head = []
     for k in range(k_heads):
@@ -111,7 +113,7 @@ def test_distill_loss_by_hand():
         want_per_head.append(sum(terms) / max(len(terms), 1))
     np.testing.assert_allclose(per_head, want_per_head, rtol=1e-5)
     np.testing.assert_allclose(loss, sum(0.7 ** k * v for k, v in enumerate(want_per_head)), rtol=1e-5)
-    _, _, ce_masks, ce_targets = losses.cross_entropy_loss(c["head_logits"], c["tokens"], c["loss_mask"])
+    _, _, ce_masks, ce_targets = shared.cross_entropy_loss(c["head_logits"], c["tokens"], c["loss_mask"])
     np.testing.assert_array_equal(masks, ce_masks)
     np.testing.assert_array_equal(targets, ce_targets)
 
@@ -120,7 +122,7 @@ def test_distill_loss_by_hand():
 def test_topk_accuracy_by_hand(top):
     c = _case(seed=4)
     k_heads, b_size, t_len, _ = c["head_logits"].shape
-    _, _, masks, targets = losses.cross_entropy_loss(c["head_logits"], c["tokens"], c["loss_mask"])
+    _, _, masks, targets = shared.cross_entropy_loss(c["head_logits"], c["tokens"], c["loss_mask"])
     got = losses.topk_accuracy(c["head_logits"], targets, masks, top)
     want = []
     for k in range(k_heads):

@@ -254,8 +254,6 @@ class OracleHeads(Heads):
     the rest by a table noise[t] in [0, 1). The tables are Params, shared with the generator's
     split state, so a test rewrites them in place and reuses the compiled program."""
 
-    token_dependent = True
-
     def __init__(self, base: Llama, num_heads: int):
         super().__init__(HeadsConfig("clover", num_heads), base.cfg, [])
         v = base.cfg.vocab_size

@@ -30,13 +30,14 @@ from clover_jax.io.hf import load_pretrained
 from clover_jax.drafters.vocab import DraftVocab, token_counts
 from clover_jax.errors import CloverError
 from clover_jax.drafters.heads import HeadsConfig, make_heads
+from clover_jax.drafters.losses import targets_and_masks
 from clover_jax.drafters.registry import BUILT_IN as METHODS, HEADS
 from clover_jax.model.llama import causal_self_mask
 from clover_jax.trees.spec import resolve_tree
 from conftest import save_tiny_llama, tiny_tokenizer
 from clover_jax.plan import factory
 from infer import generate
-from train import evaluate, losses, runs
+from train import evaluate, runs
 from train import make_data
 from train import tokenizer as tokenizer_lib
 from train import train
@@ -433,7 +434,7 @@ def test_a_loss_vocabulary_scores_only_its_tokens(method, trained, model_dir, da
     half = DraftVocab.most_frequent(base.lm_head_weight(), counts, int((counts > 0).sum()) // 2)
     loss, m = train.head_loss(heads, base, batch, vocab=half, with_ranks=True)
     assert np.isfinite(float(loss)) and float(loss) > 0
-    targets, _ = losses.targets_and_masks(batch["tokens"], batch["loss_mask"], heads.num_heads)
+    targets, _ = targets_and_masks(batch["tokens"], batch["loss_mask"], heads.num_heads)
     assert not np.isin(np.asarray(targets)[np.asarray(m["ranks"]) == 0], np.asarray(half.ids), invert=True).any()
     none = DraftVocab.most_frequent(base.lm_head_weight(), -counts, 8)  # eight tokens the responses never use
     assert not np.isin(np.asarray(none.ids), np.flatnonzero(counts)).any()

@@ -102,17 +102,17 @@ def settings(args, trained: dict) -> dict:
     return out
 
 
-def replayed_trees(args, heads, kept: list) -> dict:
+def replayed_trees(args, drafter, kept: list) -> dict:
     """The trees of --tree, and the one --fit-tree fits (written to --tree-out, or with --record beside
     the heads), replayed over the kept ranks: {"val_tree_tau": {spec: tokens per step}} (empty without
     either flag). The fit counts where the drafts hit over every position a step could start at."""
-    fitted = load_fitted_tree(args.heads, heads.num_heads)
-    trees = {spec: resolve_tree(spec, heads.hcfg.method, heads.num_heads, fitted_tree=fitted) for spec in args.tree}
+    fitted = load_fitted_tree(args.heads, drafter.depth)
+    trees = {spec: resolve_tree(spec, drafter.hcfg.method, drafter.depth, fitted_tree=fitted) for spec in args.tree}
     if args.fit_tree:
         counts = {}
         for ranks, loss_mask in kept:
-            losses.path_counts(ranks, loss_mask, heads.num_heads, counts)
-        tree = fit(counts, args.fit_tree, heads.num_heads)
+            losses.path_counts(ranks, loss_mask, drafter.depth, counts)
+        tree = fit(counts, args.fit_tree, drafter.depth)
         for out in [args.tree_out] * bool(args.tree_out) + [Path(args.heads) / TREE] * args.record:
             tree.to_file(out, fitted_on=args.data, split=args.split)
             print(f"fitted tree ({tree.num_nodes} nodes, depth {tree.max_depth}) written to {out}", file=sys.stderr)
@@ -139,8 +139,8 @@ def run(args) -> int:
     meta = read_heads_config(args.heads)
     s = settings(args, meta.get("training") or {})
     _, base = load_pretrained(sources.model_dir(args.base), dtype=jnp.float32)
-    heads = load_heads(args.heads, base)
-    nnx.update(heads, jax.tree.map(lambda x: x.astype(jnp.float32), nnx.state(heads, nnx.Param)))
+    drafter = load_heads(args.heads, base)
+    nnx.update(drafter, jax.tree.map(lambda x: x.astype(jnp.float32), nnx.state(drafter, nnx.Param)))
     data = open_dataset(args.data, base)
     indices = data.split(s["val_fraction"])[1] if args.split == "held-out" else None
     vocab = None
@@ -149,15 +149,15 @@ def run(args) -> int:
         if counts is None:
             raise CloverError(f"{args.heads}: no token counts to pick --loss-vocab's tokens from; pass --loss-vocab 0")
         vocab = DraftVocab.most_frequent(base.lm_head_weight(), counts, min(s["loss_vocab"], base.cfg.vocab_size))
-    graphdef, params, fixed = nnx.split(heads, nnx.Param, ...)
+    graphdef, params, fixed = nnx.split(drafter, nnx.Param, ...)
     base_graphdef, base_params = nnx.split(base)
 
     @jax.jit
     def evaluate(p, bp, batch):
-        heads_now, base_now = nnx.merge(graphdef, p, fixed), nnx.merge(base_graphdef, bp)
-        return head_loss(heads_now, base_now, batch, with_ranks=True, vocab=vocab)[1]
+        drafter_now, base_now = nnx.merge(graphdef, p, fixed), nnx.merge(base_graphdef, bp)
+        return head_loss(drafter_now, base_now, batch, with_ranks=True, vocab=vocab)[1]
 
-    stored_features = stores_features(data, heads)
+    stored_features = stores_features(data, drafter)
 
     def batch_metrics(batch):
         return evaluate(params, base_params, on_devices(batch, jnp.asarray, stored_features))
@@ -171,7 +171,7 @@ def run(args) -> int:
     print(f"{meta['heads']['method']} heads in {args.heads} on {args.data} ({args.split}): "
           f"loss {figures['val_loss']:.4f}, top-1 per head {[round(a, 3) for a in figures['val_top1']]}, "
           f"chain tau through 1, 2, ... heads {[round(t, 3) for t in figures['val_chain_tau_by_depth']]}")
-    report.update(replayed_trees(args, heads, kept))
+    report.update(replayed_trees(args, drafter, kept))
     if args.json:
         write_text(args.json, json.dumps(report, indent=2) + "\n")
     if args.record:

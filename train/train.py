@@ -1,10 +1,12 @@
-"""Train draft heads on a frozen base model.
+"""Train a drafter (draft heads or a draft model) on a frozen base model.
 
     python -m train.train --method clover2 --base models/reference --data data/heads --out models/reference/heads/clover2
 
-Only the heads are trained: the base model's parameters enter the loss as a separate, stop-gradient
-argument, and the optimizer state covers the heads alone. Batches are a pure function of (seed, step)
-and orbax saves heads, optimizer state and step together, so `--resume` after a kill continues exactly.
+Only the drafter is trained: the base model's parameters enter the loss as a separate, stop-gradient
+argument, and the optimizer state covers the drafter alone. Every method trains the same way: its
+drafter's `train_forward` drafts teacher-forced, its registry entry's loss scores that. Batches are a
+pure function of (seed, step) and orbax saves the drafter, optimizer state and step together, so
+`--resume` after a kill continues exactly.
 The result is exported as safetensors + JSON (`clover_jax.io.heads_dir`) that `infer.generate --heads`
 loads.
 """
@@ -31,11 +33,9 @@ from clover_jax.api import DTYPES
 from clover_jax.io.hf import load_pretrained
 from clover_jax.engine.decode import to_host
 from clover_jax.drafters.vocab import DraftVocab, probability_mass, token_counts
-from clover_jax.drafters.base import Drafter
-from clover_jax.drafters.eagle3 import Eagle3
-from clover_jax.drafters.draft_model import EagleDrafter
+from clover_jax.drafters.base import Drafter, HeadsConfig
+from clover_jax.drafters.losses import shift_left, targets_and_masks
 from clover_jax.errors import CloverError
-from clover_jax.drafters.heads import HeadsConfig, make_heads
 from clover_jax.model.llama import Llama, causal_self_mask
 from clover_jax.model.sharding import onto_mesh, put_batch, shard_module
 import cli
@@ -82,7 +82,7 @@ def token_mass(base: Llama, data: HeadDataset, indices: np.ndarray, seq_len: int
     @jax.jit
     def mass_of(params, tokens, hidden, loss_mask):
         _, _, logits, _ = base_states(nnx.merge(graphdef, params), tokens, hidden)
-        return probability_mass(logits, losses.shift_left(loss_mask, 1))  # position t predicts token t + 1
+        return probability_mass(logits, shift_left(loss_mask, 1))  # position t predicts token t + 1
 
     total = np.zeros(base.cfg.vocab_size, np.float64)
     batches = data.eval_batches(seq_len, batch_size, picked)
@@ -92,10 +92,10 @@ def token_mass(base: Llama, data: HeadDataset, indices: np.ndarray, seq_len: int
     return total
 
 
-def stores_features(data: HeadDataset, heads: Drafter) -> bool:
-    """Whether `data` stores the outputs of the very layers `heads` draft from (EAGLE-3's), so that no
+def stores_features(data: HeadDataset, drafter: Drafter) -> bool:
+    """Whether `data` stores the outputs of the very layers `drafter` drafts from (EAGLE-3's), so that no
     base forward need compute them."""
-    return bool(heads.feature_layers) and data.feature_layers == tuple(heads.feature_layers)
+    return bool(drafter.feature_layers) and data.feature_layers == tuple(drafter.feature_layers)
 
 
 def on_devices(batch: dict, place, features: bool) -> dict:
@@ -104,34 +104,31 @@ def on_devices(batch: dict, place, features: bool) -> dict:
     return {k: place(v) for k, v in batch.items() if v is not None and (k != "features" or features)}
 
 
-def head_loss(heads: Drafter, base: Llama, batch: dict, with_ranks: bool = False, key: jax.Array | None = None,
+def head_loss(drafter: Drafter, base: Llama, batch: dict, with_ranks: bool = False, key: jax.Array | None = None,
               vocab: DraftVocab | None = None, steps: int | None = None):
     """(loss, metrics) of one batch: the method's loss plus per-head losses and top-1/top-5 accuracy;
     `with_ranks` adds where each target ranks in its head's logits [K, B, T] (`losses.target_ranks`),
     which evaluation replays decoding's steps from.
     `key`: a training step's randomness (EAGLE-1's feature noise); None in evaluation.
 
-    `vocab` (a loss vocabulary, `--loss-vocab`): heads and base model are scored over its N tokens
+    `vocab` (a loss vocabulary, `--loss-vocab`): drafter and base model are scored over its N tokens
     only, the distributions renormalised over them, which makes the vocabulary projections V/N times
     cheaper; a response token outside it is no target of the loss, but still a miss in the accuracies
     and the chain tau, as it is for decoding's draft vocabulary."""
     tokens, mask = batch["tokens"], batch["loss_mask"]
-    vocab = heads.loss_vocab(base, vocab)
-    hidden, normed, base_logits, features = base_states(base, tokens, batch.get("hidden"), heads.feature_layers,
+    vocab = drafter.loss_vocab(base, vocab)
+    hidden, normed, base_logits, features = base_states(base, tokens, batch.get("hidden"), drafter.feature_layers,
                                                         vocab, batch.get("features"))
-    if isinstance(heads, EagleDrafter):  # a draft model's training-time test: [K, B, T, D] and its own logits
-        head_hidden, head_logits = heads.drafts(base, hidden, features, tokens, key, vocab, steps)
-    else:
-        head_hidden = heads.unroll(base, hidden, normed, tokens)  # [K, B, T, D]
-        head_logits = base.logits(head_hidden) if vocab is None else vocab.logits(head_hidden)
+    # [K, B, T, D] and [K, B, T, V or N]
+    head_hidden, head_logits = drafter.train_forward(base, tokens, hidden, normed, features, vocab, key, steps)
     labels, label_mask = tokens, mask
     if vocab is not None:
         labels = vocab.index_of(tokens, base.cfg.vocab_size)  # [B, T], -1 outside the loss vocabulary
         label_mask = mask * (labels >= 0)
-    method_loss = losses.LOSSES[registry.get(heads.hcfg.method).loss]
+    method_loss = registry.get(drafter.hcfg.method).loss
     loss, per_head, _, _ = method_loss(head_hidden, head_logits, normed, base_logits, jnp.maximum(labels, 0),
                                        label_mask, hidden)
-    targets, masks = losses.targets_and_masks(labels, mask, head_logits.shape[0])
+    targets, masks = targets_and_masks(labels, mask, head_logits.shape[0])
     metrics = {"loss": loss, "head_loss": per_head,
                "top1": losses.topk_accuracy(head_logits, targets, masks, 1),
                "top5": losses.topk_accuracy(head_logits, targets, masks, 5)}
@@ -146,13 +143,19 @@ def make_optimizer(args) -> optax.GradientTransformation:
     return optax.chain(optax.clip(0.5), optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.0))
 
 
+def own_vocab_titles() -> str:
+    """The registered methods whose drafters score over a vocabulary of their own (`Drafter.own_vocab`),
+    as messages name them: what --draft-vocab applies to."""
+    return ", ".join(registry.title(m) for m in registry.names() if registry.get(m).drafter.own_vocab)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m train.train",
-        description="Train Medusa, Clover or Clover-2 draft heads on a frozen base model, from a dataset "
-                    "made by train.make_data. Rerun with --resume to continue a killed run exactly.",
+        description="Train a drafter (draft heads or a draft model, --method) on a frozen base model, from a "
+                    "dataset made by train.make_data. Rerun with --resume to continue a killed run exactly.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--method", choices=registry.names(), required=True, help="head architecture to train")
+    p.add_argument("--method", choices=registry.names(), required=True, help="draft method to train")
     p.add_argument("--base", required=True, metavar="DIR", help="base model (Hugging Face checkpoint directory)")
     p.add_argument("--data", required=True, metavar="DIR", help="dataset directory written by train.make_data")
     p.add_argument("--eval-data", metavar="DIR",
@@ -170,12 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--embed-source", choices=("lm_head", "input"),
                    help="Clover-2 token embeddings: a frozen copy of lm_head (default), or the input embedding table")
     p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
-                   help="EAGLE-3: its lm_head scores the N most frequent response tokens of the data (0: all)")
+                   help=f"{own_vocab_titles()}: its lm_head scores the N most frequent response tokens of the "
+                        "data (0: all)")
     p.add_argument("--loss-vocab", type=int, default=0, metavar="N",
                    help="score the losses over the N most frequent response tokens of the data only (0: the "
                         "whole vocabulary), as decoding drafts from a draft vocabulary: the vocabulary "
                         "projections, most of a step on a CPU, cost N/V as much (SmolLM2: 8192 of 49,152). "
-                        "EAGLE-3 always scores its own --draft-vocab")
+                        f"{own_vocab_titles()} always scores its own --draft-vocab")
     p.add_argument("--init-from", metavar="HEADS",
                    help="start from these trained heads (a directory train.train exported, e.g. "
                         "models/smollm2/heads/clover2) instead of a fresh initialisation, and train them on "
@@ -249,7 +253,7 @@ def run(args) -> int:
         held = open_dataset(args.eval_data, base)
         val_idx = held.split(args.val_fraction)[1]
     if args.init_from:
-        heads = load_heads(args.init_from, base, method=args.method)
+        drafter = load_heads(args.init_from, base, method=args.method)
         hcfg = HeadsConfig(**read_heads_config(args.init_from)["heads"])
         for flag, asked, theirs in (("--num-heads", args.num_heads, hcfg.num_heads),
                                     ("--embed-source", args.embed_source, hcfg.embed_source),
@@ -260,30 +264,32 @@ def run(args) -> int:
     else:
         hcfg = HeadsConfig(args.method, args.num_heads or registry.get(args.method).depth,
                            args.embed_source or "lm_head", draft_vocab=args.draft_vocab)
-        heads = make_heads(hcfg, base, seed=args.seed)
+        drafter = registry.make_drafter(hcfg, base, seed=args.seed)
     # The exported counts and probability mass: of --counts-from's training split, else of all of --data
-    # (as runs before --counts-from counted, so that EAGLE-3's draft ids stay the same when they resume).
+    # (as runs before --counts-from counted, so that a drafter's own draft ids stay the same when it resumes).
     counted = open_dataset(args.counts_from, base) if args.counts_from else data
     counted_idx = counted.split(args.val_fraction)[0] if args.counts_from else np.arange(data.num_examples)
     counts = token_counts(counted.tokens, counted.loss_mask * counted.example_mask(counted_idx), base.cfg.vocab_size)
-    if args.draft_vocab and not args.init_from:  # initial heads keep the draft ids they were trained on
-        if not isinstance(heads, Eagle3):
-            raise CloverError(f"--draft-vocab is EAGLE-3's own lm_head; {args.method} drafts from the base model's")
+    if args.draft_vocab and not args.init_from:  # an initial drafter keeps the draft ids it was trained on
+        if not drafter.own_vocab:
+            raise CloverError(f"--draft-vocab is {own_vocab_titles()}'s own lm_head; {args.method} drafts from "
+                              "the base model's")
         if args.draft_vocab > base.cfg.vocab_size:
             raise CloverError(f"--draft-vocab {args.draft_vocab} exceeds the vocabulary ({base.cfg.vocab_size})")
-        heads.set_vocab(base, DraftVocab.most_frequent(base.lm_head_weight(), counts, args.draft_vocab).ids)
+        drafter.set_vocab(base, DraftVocab.most_frequent(base.lm_head_weight(), counts, args.draft_vocab).ids)
     if args.loss_vocab:
-        if isinstance(heads, Eagle3):
-            raise CloverError("EAGLE-3 scores its own draft vocabulary; set its size with --draft-vocab, not --loss-vocab")
+        if drafter.own_vocab:
+            raise CloverError(f"{registry.title(args.method)} scores its own draft vocabulary; set its size with "
+                              "--draft-vocab, not --loss-vocab")
         if not 0 < args.loss_vocab <= base.cfg.vocab_size:
             raise CloverError(f"--loss-vocab {args.loss_vocab} must be in [1, {base.cfg.vocab_size}] (the vocabulary)")
     loss_vocab = DraftVocab.most_frequent(base.lm_head_weight(), counts, args.loss_vocab) if args.loss_vocab else None
-    stored_features = stores_features(data, heads)
+    stored_features = stores_features(data, drafter)
     # Float32 master weights; the forward casts them to the activations' dtype.
-    nnx.update(heads, jax.tree.map(lambda x: x.astype(jnp.float32), nnx.state(heads, nnx.Param)))
+    nnx.update(drafter, jax.tree.map(lambda x: x.astype(jnp.float32), nnx.state(drafter, nnx.Param)))
     if mesh is not None:
-        shard_module(heads, mesh)
-    head_graphdef, params, fixed = nnx.split(heads, nnx.Param, ...)  # fixed: what is not trained (draft ids)
+        shard_module(drafter, mesh)
+    drafter_graphdef, params, fixed = nnx.split(drafter, nnx.Param, ...)  # fixed: what is not trained (draft ids)
     base_graphdef, base_params = nnx.split(base)
     optimizer = make_optimizer(args)
     opt_state = jax.jit(optimizer.init)(params)  # moments placed like the parameters they follow
@@ -295,11 +301,11 @@ def run(args) -> int:
                    "draft_vocab": hcfg.draft_vocab,
                    "base": str(Path(args.base).resolve()), "data": str(Path(args.data).resolve()),
                    "counts_from": str(Path(args.counts_from).resolve()) if args.counts_from else None,
-                   # What picks EAGLE-3's draft ids and the loss vocabulary, neither of which the checkpoints hold:
+                   # What picks a drafter's own draft ids and the loss vocabulary, neither of which the checkpoints hold:
                    # a resume over other counts (the data rebuilt in place, or counted another way) is refused.
                    "token_counts_sha256": hashlib.sha256(np.asarray(counts, np.int64).tobytes()).hexdigest(),
                    **({"eval_data": str(Path(args.eval_data).resolve())} if args.eval_data else {}),
-                   # A resume's checkpoint replaces the initial heads; it may not name other ones.
+                   # A resume's checkpoint replaces the initial drafter; it may not name another one.
                    **({"init_from_sha256": hashlib.sha256((Path(args.init_from) / WEIGHTS).read_bytes()).hexdigest()}
                       if args.init_from else {})})
     if last.latest_step() is not None and not args.resume:
@@ -310,13 +316,13 @@ def run(args) -> int:
         params, opt_state = onto_mesh((params, opt_state), mesh)
     if start:
         print(f"resumed from step {start} in {work}", file=sys.stderr)
-    if heads.feature_layers and not stored_features:
-        print(f"{args.method} drafts from layers {list(heads.feature_layers)}, which {args.data} does not store: "
+    if drafter.feature_layers and not stored_features:
+        print(f"{args.method} drafts from layers {list(drafter.feature_layers)}, which {args.data} does not store: "
               "each step runs the base model for them (train.make_data --store-hidden float16 --store-features "
               "stores them)", file=sys.stderr)
 
     def loss_on(p, bp, batch, with_ranks=False, key=None, steps=None):
-        return head_loss(nnx.merge(head_graphdef, p, fixed), nnx.merge(base_graphdef, jax.lax.stop_gradient(bp)),
+        return head_loss(nnx.merge(drafter_graphdef, p, fixed), nnx.merge(base_graphdef, jax.lax.stop_gradient(bp)),
                          batch, with_ranks, key, loss_vocab, steps)
 
     trained_steps = registry.get(args.method).trained_steps
@@ -387,10 +393,10 @@ def run(args) -> int:
         params = jax.tree.map(to_host, params)
         if jax.process_index() != 0:
             return 0
-    nnx.update(heads, params)
+    nnx.update(drafter, params)
     extra = {"training": {k: v for k, v in vars(args).items() if k != "resume"}, "final_step": args.steps,
              "held_out": ev}
-    save_heads(heads, base, args.out, extra=extra, token_counts=counts, dtype=DTYPES[args.export_dtype],
+    save_heads(drafter, base, args.out, extra=extra, token_counts=counts, dtype=DTYPES[args.export_dtype],
                token_mass=mass)
     summary = f": held-out top1 {ev['val_top1']}, chain tau {ev['val_chain_tau']:.2f}" if ev else ""
     print(f"saved {args.method} heads to {args.out}{summary}")

@@ -17,15 +17,64 @@ neither (Medusa, Clover) ignore them. `feature_layers` names the base layers who
 same forward pass) reach `commit` as `Committed.features`: EAGLE-3's low, middle and high ones.
 A draft vocabulary (`draft_vocab.DraftVocab`) reaches `expand` as `drafting_vocab` made it from the one
 the engine picked: the base model's lm_head rows of those tokens, unless the drafter scores with rows of
-its own. Training: the method's registry entry names the loss (`methods.Method.loss`); `loss_vocab`
-says which tokens that loss scores (a training run may restrict it to the most frequent ones, as
-decoding does).
+its own.
+
+Training needs two more calls, the same for heads and draft models, so no tool asks which method it runs:
+- `train_forward(base, tokens, hidden, hidden_normed, features, vocab, key, steps) -> (hidden, logits)`:
+  teacher-forced drafts at every position of the training windows, [K, B, T, D] and [K, B, T, V or N],
+  entry [k, :, t] drafting token t+2+k; the method's loss (its registry entry's `Method.loss`, defined
+  beside the drafter; `losses` has the signature) reads them;
+- `loss_vocab(base, vocab)`: which tokens that loss scores (a run may restrict it to the most frequent
+  ones, as decoding does), unless the drafter has a vocabulary of its own (`own_vocab`, EAGLE-3's,
+  picked with `set_vocab`).
+`depth` is the deepest tree a drafter drafts (its head count, a draft model's chained steps); heads.json
+and --num-heads still call it num_heads. Saved with the weights: the variables of the types in `SAVED`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.struct
 import jax
+from flax import nnx
+
+from clover_jax.errors import CloverError
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadsConfig:
+    """Which drafter (method, depth) and its initialisation; saved beside the weights in heads.json."""
+
+    method: str  # a `registry` name
+    num_heads: int  # the drafter's depth (heads.json's name for it)
+    embed_source: str = "lm_head"  # Clover-2's token embedding: "lm_head" (frozen copy) or "input"
+    noise: float = 0.01  # scale of the uniform noise added to identity initialisations
+    draft_vocab: int = 0  # EAGLE-3: the tokens its own lm_head scores (0: the whole vocabulary)
+
+    def __post_init__(self):
+        from clover_jax.drafters import registry  # the registry names the drafter classes: imported late
+
+        registry.get(self.method)
+        if self.num_heads < 1:
+            raise CloverError(f"num_heads={self.num_heads} must be >= 1")
+        if self.draft_vocab < 0:
+            raise CloverError(f"draft_vocab={self.draft_vocab} must be >= 0 (0: the whole vocabulary)")
+        if self.embed_source not in ("lm_head", "input"):
+            raise CloverError(f"embed_source={self.embed_source!r} must be 'lm_head' or 'input'")
+
+    @property
+    def aug_layers(self) -> int:
+        from clover_jax.drafters import registry
+
+        return registry.get(self.method).aug_layers
+
+
+class DraftIds(nnx.Variable):
+    """Token ids a drafter's own lm_head scores (not trained; saved with the parameters): EAGLE-3's."""
+
+
+SAVED = (nnx.Param, DraftIds)  # the variable types a drafter's weights file holds
 
 
 @flax.struct.dataclass
@@ -53,14 +102,21 @@ class Frontier:
 
 class Drafter:
     """The interface (see the module docstring); `heads.Heads` implements it for Medusa, Clover and
-    Clover-2 and a test implements it with a draft layer of its own."""
+    Clover-2, `draft_model.EagleDrafter` for EAGLE-1 and EAGLE-3."""
 
+    hcfg: HeadsConfig
     feature_layers: tuple[int, ...] = ()
+    own_vocab = False  # True: it scores with an lm_head of its own over token ids of its own (`set_vocab`)
+
+    @property
+    def depth(self) -> int:
+        """The deepest tree this drafter drafts: its number of heads, or a draft model's chained steps."""
+        raise NotImplementedError
 
     @property
     def num_heads(self) -> int:
-        """The deepest tree this drafter drafts."""
-        raise NotImplementedError
+        """`depth`, under the name heads.json, --num-heads and the engine use."""
+        return self.depth
 
     def init(self, base, batch: int, cache_len: int, mesh=None):
         raise NotImplementedError
@@ -76,7 +132,22 @@ class Drafter:
         vocabulary), made once before decoding: by default `vocab` itself."""
         return vocab
 
+    def train_forward(self, base, tokens, hidden, hidden_normed, features=None, vocab=None, key=None,
+                      steps: int | None = None):
+        """Training's drafts, teacher-forced at every position of windows tokens [B, T] from the frozen
+        base model's states there: hidden [B, T, D] (before the final norm), hidden_normed [B, T, D]
+        and the outputs of `feature_layers`, features [B, T, F, D] (None without). Returns (hidden
+        [K, B, T, D], logits [K, B, T, V], or [.., N] over `vocab`, `loss_vocab`'s), entry [k, :, t]
+        being depth k of the chain whose root is token t+1: the vector that scores token t+2+k and its
+        logits. `key`: a training step's randomness (None in evaluation); `steps`: only the first
+        K = steps depths (None: all `depth`), since the loss weights no other."""
+        raise NotImplementedError
+
     def loss_vocab(self, base, vocab):
         """The vocabulary training scores this drafter over (a `draft_vocab.DraftVocab`, or None for the
         whole one): the one the run asked for, unless the drafter has one of its own."""
         return vocab
+
+    def set_vocab(self, base, ids) -> None:
+        """Score token ids [N] (ascending) with an lm_head of its own; only where `own_vocab`."""
+        raise CloverError(f"{type(self).__name__} drafts from the base model's lm_head: no vocabulary of its own")

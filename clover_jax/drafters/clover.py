@@ -1,6 +1,7 @@
 """Clover: Medusa plus an Augmenting Block (one decoder layer over the prefix, its own KV cache), a
 Regressive Connection (each head reads its parent's token, embedded by the normalised lm_head rows) and
-an Attention Decoder (one query over the parent's state, key and value from the token).
+an Attention Decoder (one query over the parent's state, key and value from the token). Trained as
+Medusa, by cross-entropy on the data's tokens (`losses.cross_entropy`).
 """
 
 from __future__ import annotations

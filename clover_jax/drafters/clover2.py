@@ -1,5 +1,6 @@
 """Clover-2: the gated Attention Decoder before a two-layer Augmenting Block, head 0 through its own
-linear, heads >= 1 one shared recurrent cell over [state; token embedding]; trained by distillation.
+linear, heads >= 1 one shared recurrent cell over [state; token embedding]; trained by distillation
+(`distill_loss`).
 """
 
 from __future__ import annotations
@@ -9,9 +10,20 @@ import jax.numpy as jnp
 from flax import nnx
 
 from clover_jax.drafters.heads import Heads, HeadsConfig, copy_layer, eye_plus_uniform, gate_heads, token_embeddings
+from clover_jax.drafters.losses import (
+    base_distribution,
+    head_weights,
+    masked_mean,
+    shift_left,
+    smooth_l1,
+    soft_cross_entropy,
+    targets_and_masks,
+)
 from clover_jax.model.config import ModelConfig
 from clover_jax.model.layers import DecoderLayer, Linear, RMSNorm
 from clover_jax.model.llama import Llama
+
+HIDDEN_WEIGHT = 10.0  # the SmoothL1 term's weight against the soft cross-entropy's
 
 
 class GateDecoder(nnx.Module):
@@ -80,3 +92,23 @@ class Clover2Heads(Heads):
             return self.head_norm(self.w0(state))
         e = self._embed(base, token, state.dtype)
         return self.head_norm(self.w2(jnp.concatenate([state, e], axis=-1)))
+
+
+def distill_loss(head_hidden: jax.Array, head_logits: jax.Array, base_normed: jax.Array,
+                 base_logits: jax.Array, tokens: jax.Array, loss_mask: jax.Array, base_hidden=None):
+    """Clover-2 distils the base model: head k at t learns the base model at t+1+k (the position whose
+    output is token t+2+k's distribution), 10 x SmoothL1 between the head's lm_head input and the base
+    model's normed hidden state there plus the soft cross-entropy against its softmax; head k weighted
+    0.7^k. head_hidden [K, B, T, D], head_logits [K, B, T, V]; base_normed [B, T, D] and base_logits
+    [B, T, V] of the base model at every position. Returns as `losses.cross_entropy_loss`."""
+    k_heads = head_hidden.shape[0]
+    targets, masks = targets_and_masks(tokens, loss_mask, k_heads)
+    p_base = base_distribution(base_logits)
+    per_head = []
+    for k in range(k_heads):
+        h_target = jax.lax.stop_gradient(shift_left(base_normed, k + 1))
+        p_target = shift_left(p_base, k + 1)
+        loss = HIDDEN_WEIGHT * smooth_l1(head_hidden[k], h_target) + soft_cross_entropy(head_logits[k], p_target)
+        per_head.append(masked_mean(loss, masks[k]))
+    per_head = jnp.stack(per_head)
+    return jnp.sum(head_weights(k_heads) * per_head), per_head, masks, targets

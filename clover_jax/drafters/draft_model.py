@@ -16,7 +16,7 @@ The entry: EAGLE-1 x = FC([E(x_{t+1}); f_t]) (2D -> D, bias; the layer has no in
 authors' first layer); EAGLE-3 attends over [input_norm(E(x_{t+1})); hidden_norm(g_t)] (q, k, v
 project from 2D) with g_t the residual stream. E is the base model's input embedding, frozen.
 
-Training (`unroll`) is EAGLE-3's training-time test for both: step 0 runs the layer causally over the
+Training (`train_forward`, `unroll`) is EAGLE-3's training-time test for both: step 0 runs the layer causally over the
 target features; step j feeds each position its own step j-1 output and the true token j further
 on, at position t + j, reading the step-0 entries up to t and its own chain (steps 1..j at t): exactly
 the entries a chain drafted from root x_{t+1} reads in decoding.
@@ -32,18 +32,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from clover_jax.drafters.base import Committed, Drafter, Frontier
+from clover_jax.drafters.losses import shift_left
 from clover_jax.drafters.vocab import DraftVocab
 from clover_jax.model.cache import KVCache, causal_mask, tree_mask
 from clover_jax.model.config import ModelConfig, rope_inv_freq
 from clover_jax.model.layers import MLP, Attention, QKVProjection, RMSNorm, apply_rope, attend_unrolled
-from clover_jax.model.llama import Llama
+from clover_jax.model.llama import Llama, causal_self_mask
 from clover_jax.model.sharding import constrain_cache
 
 NO_LOGIT = -1e9  # the logit of a token outside EAGLE-3's draft vocabulary: probability 0, finite log
-
-
-class DraftIds(nnx.Variable):
-    """Token ids a draft lm_head scores (not trained; saved with the parameters)."""
 
 
 @flax.struct.dataclass
@@ -101,7 +98,8 @@ class EagleDrafter(nnx.Module, Drafter):
         self.layer = layer
 
     @property
-    def num_heads(self) -> int:
+    def depth(self) -> int:
+        """The chained draft steps: the deepest tree it drafts."""
         return self.hcfg.num_heads
 
     def committed_feature(self, base: Llama, hidden, features):
@@ -158,17 +156,16 @@ class EagleDrafter(nnx.Module, Drafter):
         chain drafted from root x_{t+1} predicts at depth k (scoring x_{t+2+k}); each step is fed the
         true tokens and the previous step's outputs. hidden [B, T, D], features [B, T, F, D] or None,
         tokens [B, T]; noise [B, T, D] is added to the target features (EAGLE-1's augmentation);
-        `steps` (default: every head) cuts the unroll to its first steps, K = steps."""
+        `steps` (default: every step) cuts the unroll to its first steps, K = steps."""
         b, t = tokens.shape
-        shifted = lambda n: jnp.concatenate([tokens[:, n:], jnp.zeros((b, min(n, t)), tokens.dtype)], 1)[:, :t]
         feature = self.committed_feature(base, hidden, features)
         if noise is not None:
             feature = feature + noise.astype(feature.dtype)
         pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+        causal = causal_self_mask(b, t)
         keys, values, outs = [], [], []  # step k reads step 0's keys causally, steps 1..k's at its own position
-        for k in range(self.num_heads if steps is None else min(steps, self.num_heads)):
-            attn_in, residual = self.entry(base, shifted(k + 1), feature)
+        for k in range(self.depth if steps is None else min(steps, self.depth)):
+            attn_in, residual = self.entry(base, shift_left(tokens, k + 1), feature)
             q, kk, vv = self.layer.project(attn_in, pos + k)
             keys.append(kk)
             values.append(vv)
@@ -176,11 +173,11 @@ class EagleDrafter(nnx.Module, Drafter):
             outs.append(feature)
         return jnp.stack(outs)
 
-    def drafts(self, base: Llama, hidden, features, tokens, key=None, vocab: DraftVocab | None = None,
-               steps: int | None = None):
+    def train_forward(self, base: Llama, tokens, hidden, hidden_normed=None, features=None,
+                      vocab: DraftVocab | None = None, key=None, steps: int | None = None):
         """(outputs [K, B, T, D], logits [K, B, T, V or N]) of `unroll` (its first `steps`) for training,
         over the whole vocabulary or the loss vocabulary `vocab` (`loss_vocab`); with a key, target
-        features get U(-w/2, w/2) noise, w = feature_noise."""
+        features get U(-w/2, w/2) noise, w = feature_noise. The base model's normed states are not read."""
         noise = None
         if key is not None and self.feature_noise:
             noise = self.feature_noise * (jax.random.uniform(key, hidden.shape, jnp.float32) - 0.5)
@@ -188,4 +185,5 @@ class EagleDrafter(nnx.Module, Drafter):
         return out, self.train_logits(base, out, vocab)
 
     def train_logits(self, base: Llama, out, vocab: DraftVocab | None):
+        """The logits training scores outputs out [..., D] by: `logits`'s unless a subclass says otherwise."""
         return self.logits(base, out, vocab)

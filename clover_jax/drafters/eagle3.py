@@ -1,5 +1,6 @@
 """EAGLE-3: the draft model fed a fusion (FC, 3D -> D) of a low, a middle and a high layer's hidden
-states; attention over [norm(E(x)); norm(g)], its own norm and lm_head over a draft vocabulary.
+states; attention over [norm(E(x)); norm(g)], its own norm and lm_head over a draft vocabulary; trained on
+every step of the training-time test against the base distribution over that vocabulary (`eagle3_loss`).
 """
 
 from __future__ import annotations
@@ -9,11 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from clover_jax.drafters.draft_model import NO_LOGIT, DraftIds, DraftLayer, EagleDrafter
+from clover_jax.drafters.base import DraftIds
+from clover_jax.drafters.draft_model import NO_LOGIT, DraftLayer, EagleDrafter
+from clover_jax.drafters.losses import base_distribution, masked_mean, shift_left, soft_cross_entropy, targets_and_masks
 from clover_jax.drafters.vocab import DraftVocab
 from clover_jax.errors import CloverError
 from clover_jax.model.layers import Linear, RMSNorm
 from clover_jax.model.llama import Llama, low_mid_high
+
+EAGLE3_DECAY = 0.8  # training-time test step k weighted 0.8^k (the authors' main.py)
 
 
 class Eagle3(EagleDrafter):
@@ -22,6 +27,8 @@ class Eagle3(EagleDrafter):
     draft entry's g is its parent's output. Scored by a norm and lm_head of its own over the draft
     vocabulary `ids` (hcfg.draft_vocab tokens, 0: all; `set_vocab` picks them), initialised from the
     base model's final norm and lm_head rows."""
+
+    own_vocab = True
 
     def __init__(self, hcfg, base: Llama, *, rngs: nnx.Rngs):
         cfg, dtype, d = base.cfg, base.dtype, base.cfg.hidden_size
@@ -82,3 +89,23 @@ class Eagle3(EagleDrafter):
             return vocab.logits(self.norm(out))
         own = self.lm_head(self.norm(out)).astype(jnp.float32)  # [..., N]
         return jnp.full(own.shape[:-1] + (base.cfg.vocab_size,), NO_LOGIT, jnp.float32).at[..., self.ids[...]].set(own)
+
+
+def eagle3_loss(head_hidden, head_logits, base_normed, base_logits, tokens, loss_mask, base_hidden=None):
+    """EAGLE-3's training-time test: step k (weighted 0.8^k) learns the base model's distribution at
+    t+1+k restricted to the draft vocabulary (the tokens whose head logits are not `NO_LOGIT`), by soft
+    cross-entropy, where the base model's own choice there is in that vocabulary. No feature loss.
+    Training hands it logits over the draft vocabulary itself (`Eagle3.loss_vocab`), all of them
+    finite, with the targets outside it already masked: the same loss where the data's tokens are the
+    base model's own choices (self-distilled data). Returns as `losses.cross_entropy_loss`."""
+    k_heads = head_logits.shape[0]
+    targets, masks = targets_and_masks(tokens, loss_mask, k_heads)
+    in_vocab = head_logits[0, :1, :1] > -1e8  # [1, 1, V]: the draft vocabulary
+    p_base = base_distribution(jnp.where(in_vocab, base_logits, -1e9))
+    base_drafted = jnp.take(in_vocab[0, 0], jnp.argmax(base_logits, -1)).astype(jnp.float32)  # [B, T]
+    per_head = []
+    for k in range(k_heads):
+        p_target, drafted = shift_left(p_base, k + 1), shift_left(base_drafted, k + 1)
+        per_head.append(masked_mean(soft_cross_entropy(head_logits[k], p_target), masks[k] * drafted))
+    per_head = jnp.stack(per_head)
+    return jnp.sum(EAGLE3_DECAY ** jnp.arange(k_heads, dtype=jnp.float32) * per_head), per_head, masks, targets

@@ -9,56 +9,28 @@ Every head family answers three questions (k = depth of a tree node, 0 for the r
   logits over the node's children (`node_logits`); Clover-2's distillation loss reads it.
 `init`/`commit`/`expand` (the drafter interface) are built on them here: the state is the Augmenting
 Block's cache and the context at the last committed position, a node's carry is its state. Medusa
-ignores tokens (`token_dependent = False`), so its `expand` computes one distribution per depth.
-The architectures and initialisations are SPEC section 2's; where the papers leave a detail open, the
-choice follows the authors' code and is said in the docstring.
+ignores tokens, so its `expand` computes one distribution per depth. Training (`train_forward`) runs
+the same three questions teacher-forced at every position (`unroll`). The architectures and
+initialisations are the papers'; where they leave a detail open, the choice follows the authors' code
+and is said in the docstring.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from clover_jax.drafters.base import Committed, Drafter, Frontier
+from clover_jax.drafters.base import Committed, Drafter, Frontier, HeadsConfig
+from clover_jax.drafters.losses import shift_left
 from clover_jax.drafters.vocab import DraftVocab
 from clover_jax.errors import CloverError
 from clover_jax.model.cache import KVCache, causal_mask
 from clover_jax.model.config import ModelConfig
 from clover_jax.model.layers import DecoderLayer, Linear
-from clover_jax.model.llama import Llama
+from clover_jax.model.llama import Llama, causal_self_mask
 from clover_jax.model.sharding import constrain_cache
-
-
-@dataclasses.dataclass(frozen=True)
-class HeadsConfig:
-    """Which heads (method, count) and their initialisation; saved beside the weights in heads.json."""
-
-    method: str
-    num_heads: int
-    embed_source: str = "lm_head"  # Clover-2's token embedding: "lm_head" (frozen copy) or "input"
-    noise: float = 0.01  # scale of the uniform noise added to identity initialisations
-    draft_vocab: int = 0  # EAGLE-3: the tokens its own lm_head scores (0: the whole vocabulary)
-
-    def __post_init__(self):
-        from clover_jax.drafters import registry  # the registry names these classes: imported late
-
-        registry.get(self.method)
-        if self.num_heads < 1:
-            raise CloverError(f"num_heads={self.num_heads} must be >= 1")
-        if self.draft_vocab < 0:
-            raise CloverError(f"draft_vocab={self.draft_vocab} must be >= 0 (0: the whole vocabulary)")
-        if self.embed_source not in ("lm_head", "input"):
-            raise CloverError(f"embed_source={self.embed_source!r} must be 'lm_head' or 'input'")
-
-    @property
-    def aug_layers(self) -> int:
-        from clover_jax.drafters import registry
-
-        return registry.get(self.method).aug_layers
 
 
 def eye_plus_uniform(key, n: int, m: int, noise: float, dtype) -> jax.Array:
@@ -114,16 +86,14 @@ class HeadsState:
 class Heads(nnx.Module, Drafter):
     """Shared plumbing and the drafter interface; subclasses define the three questions above."""
 
-    token_dependent = True
-
     def __init__(self, hcfg: HeadsConfig, base_cfg: ModelConfig, aug: list[DecoderLayer]):
         self.hcfg = hcfg
         self.base_cfg = base_cfg
         self.aug = nnx.List(aug)
 
     @property
-    def num_heads(self) -> int:
-        """K: the deepest tree these heads can draft."""
+    def depth(self) -> int:
+        """K: the number of heads, the deepest tree they draft."""
         return self.hcfg.num_heads
 
     def init(self, base: Llama, batch: int, cache_len: int, mesh=None) -> HeadsState:
@@ -186,29 +156,35 @@ class Heads(nnx.Module, Drafter):
         hidden = self.node_hidden(base, k, state, token)
         return base.logits(hidden) if vocab is None else vocab.logits(hidden)
 
-    def unroll(self, base: Llama, hidden, hidden_normed, tokens) -> jax.Array:
+    def unroll(self, base: Llama, hidden, hidden_normed, tokens, steps: int | None = None) -> jax.Array:
         """Teacher-forced drafts at every position, for training: [K, B, T, D], entry [k, :, t] being the
         lm_head input of head k at position t, whose target is token t+2+k (the root is token t+1, and
-        each depth is fed the true token of its parent). hidden/hidden_normed [B, T, D], tokens [B, T]."""
+        each depth is fed the true token of its parent). hidden/hidden_normed [B, T, D], tokens [B, T];
+        `steps` (default: every head) cuts it to the first heads, K = steps."""
         b, t = tokens.shape
-        shifted = lambda n: jnp.concatenate([tokens[:, n:], jnp.zeros((b, min(n, t)), tokens.dtype)], axis=1)[:, :t]
+        depth = self.depth if steps is None else min(steps, self.depth)
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-        ctx, _ = self.context(base, hidden, hidden_normed, shifted(1), positions, mask, None)
-        token = shifted(1)
+        token = shift_left(tokens, 1)
+        ctx, _ = self.context(base, hidden, hidden_normed, token, positions, causal_self_mask(b, t), None)
         state = self.node_state(base, 0, ctx, token)
         out = []
-        for k in range(self.num_heads):
+        for k in range(depth):
             out.append(self.node_hidden(base, k, state, token))
-            if k + 1 < self.num_heads:
-                token = shifted(k + 2)
+            if k + 1 < depth:
+                token = shift_left(tokens, k + 2)
                 state = self.node_state(base, k + 1, state, token)
         return jnp.stack(out)
 
+    def train_forward(self, base: Llama, tokens, hidden, hidden_normed, features=None, vocab=None, key=None,
+                      steps: int | None = None):
+        """`unroll`'s lm_head inputs and their logits through the base model's frozen lm_head (over
+        `vocab`'s rows when given); heads take neither features nor randomness."""
+        drafted = self.unroll(base, hidden, hidden_normed, tokens, steps)
+        return drafted, base.logits(drafted) if vocab is None else vocab.logits(drafted)
 
-def make_heads(hcfg: HeadsConfig, base: Llama, seed: int = 0) -> Heads:
-    """Freshly initialised heads for `base` (the Augmenting Block copied from its last layer), of the
-    class the method registry names."""
-    from clover_jax.drafters import registry
 
-    return registry.get(hcfg.method).drafter(hcfg, base, rngs=nnx.Rngs(seed))
+def make_heads(hcfg: HeadsConfig, base: Llama, seed: int = 0) -> Drafter:
+    """`registry.make_drafter`: a freshly initialised drafter of hcfg's method for `base`."""
+    from clover_jax.drafters import registry  # the registry imports the head classes: imported late
+
+    return registry.make_drafter(hcfg, base, seed)

@@ -1,5 +1,5 @@
 """Medusa: K independent heads, head i = lm_head(h + SiLU(W_i h)); no head sees another's token, so a
-depth's nodes share one distribution.
+depth's nodes share one distribution. Trained by cross-entropy on the data's tokens (`losses.cross_entropy`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,7 @@ from clover_jax.model.llama import Llama
 
 class MedusaHeads(Heads):
     """Head i: lm_head(h + SiLU(W_i h)), h the base model's last hidden state after the final norm (as
-    Medusa's code feeds it; SPEC's formula names no norm). No head sees a drafted token."""
-
-    token_dependent = False
+    Medusa's code feeds it; the paper's formula names no norm). No head sees a drafted token."""
 
     def __init__(self, hcfg: HeadsConfig, base: Llama, *, rngs: nnx.Rngs):
         super().__init__(hcfg, base.cfg, [])

@@ -1,18 +1,24 @@
 """The one list of draft methods: per method its drafter class, default depth, default tree and loss.
 
 Every library module and tool reads this table (the heads' config validation, the default trees, the
-command-line choices, the training loss), so adding a method is one new drafter file and one
-`register` call; docs/architecture.md walks through it. A test drafter registers under its own name.
+command-line choices, the training loss), so adding a method is one new drafter file (the class and its
+loss) and one `register` call; docs/adding-a-method.md walks through it. A test drafter registers under
+its own name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
+from flax import nnx
+
+from clover_jax.drafters.base import Drafter, HeadsConfig
 from clover_jax.drafters.clover import CloverHeads
-from clover_jax.drafters.clover2 import Clover2Heads
-from clover_jax.drafters.eagle import Eagle
-from clover_jax.drafters.eagle3 import Eagle3
+from clover_jax.drafters.clover2 import Clover2Heads, distill_loss
+from clover_jax.drafters.eagle import Eagle, eagle_loss
+from clover_jax.drafters.eagle3 import Eagle3, eagle3_loss
+from clover_jax.drafters.losses import cross_entropy
 from clover_jax.drafters.medusa import MedusaHeads
 from clover_jax.errors import CloverError
 
@@ -22,15 +28,17 @@ class Method:
     """One draft method."""
 
     name: str
-    drafter: type  # a `drafter.Drafter` class, built as drafter(hcfg, base, rngs=...)
-    depth: int  # default number of draft heads: the deepest tree it drafts
-    tree: str  # its paper's static tree, a `tree.NAMED_TREES` name, cut to the heads' depth
-    loss: str  # its training loss, a key of `train.losses.LOSSES`
+    drafter: type  # a `base.Drafter` class, built as drafter(hcfg, base, rngs=...)
+    depth: int  # default depth (number of draft heads): the deepest tree it drafts
+    tree: str  # its paper's static tree, a `trees.static.NAMED_TREES` name, cut to the drafter's depth
+    # Its training loss, on what the drafter's `train_forward` returns; the signature is `losses.cross_entropy`'s.
+    loss: Callable
     aug_layers: int = 0  # Augmenting Block layers (own KV cache) the drafter builds
     # Draft steps its loss weights (None: every one). A training step unrolls only these, since the
     # rest would add forward work and no gradient; evaluation still scores every depth.
     trained_steps: int | None = None
     color: str | None = None  # its colour in the benchmark's plots (None: matplotlib's next)
+    title: str | None = None  # how prose and messages name it, e.g. "EAGLE-3" (None: its name)
 
 
 _REGISTRY: dict[str, Method] = {}
@@ -54,22 +62,33 @@ def names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+def title(name: str) -> str:
+    """How messages name a method: its registry entry's title, else the name itself."""
+    return (_REGISTRY[name].title if name in _REGISTRY else None) or name
+
+
+def make_drafter(hcfg: HeadsConfig, base, seed: int = 0) -> Drafter:
+    """A freshly initialised drafter of hcfg's method for the base model `base` (a `model.llama.Llama`)."""
+    return get(hcfg.method).drafter(hcfg, base, rngs=nnx.Rngs(seed))
+
+
 def color(name: str) -> str | None:
     """A method's colour in the plots: its registry entry's (None, matplotlib's cycle, for what is not a
     registered method, such as plain and hf)."""
     return _REGISTRY[name].color if name in _REGISTRY else None
 
 
-# The draft heads of SPEC section 2 (HEADS).
-register(Method("medusa", MedusaHeads, depth=4, tree="medusa_mc_sim_7b_63", loss="cross_entropy",
-                color="tab:blue"))
-register(Method("clover", CloverHeads, depth=3, tree="medusa_mc_sim_7b_63", loss="cross_entropy", aug_layers=1,
-                color="tab:green"))
-register(Method("clover2", Clover2Heads, depth=5, tree="eagle_mc_sim_7b_63", loss="distill", aug_layers=2,
-                color="tab:red"))
+# The draft heads (HEADS), on the base model's hidden states and lm_head.
+register(Method("medusa", MedusaHeads, depth=4, tree="medusa_mc_sim_7b_63", loss=cross_entropy,
+                color="tab:blue", title="Medusa"))
+register(Method("clover", CloverHeads, depth=3, tree="medusa_mc_sim_7b_63", loss=cross_entropy, aug_layers=1,
+                color="tab:green", title="Clover"))
+register(Method("clover2", Clover2Heads, depth=5, tree="eagle_mc_sim_7b_63", loss=distill_loss, aug_layers=2,
+                color="tab:red", title="Clover-2"))
 HEADS = names()
-# The draft models of SPEC section 8: the command-line choices, with the ones above (BUILT_IN).
-register(Method("eagle", Eagle, depth=5, tree="eagle_mc_sim_7b_63", loss="eagle", trained_steps=1,
-                color="tab:purple"))
-register(Method("eagle3", Eagle3, depth=7, tree="eagle_mc_sim_7b_63", loss="eagle3", color="tab:orange"))
+# The draft models: the command-line choices, with the ones above (BUILT_IN).
+register(Method("eagle", Eagle, depth=5, tree="eagle_mc_sim_7b_63", loss=eagle_loss, trained_steps=1,
+                color="tab:purple", title="EAGLE-1"))
+register(Method("eagle3", Eagle3, depth=7, tree="eagle_mc_sim_7b_63", loss=eagle3_loss, color="tab:orange",
+                title="EAGLE-3"))
 BUILT_IN = names()

@@ -20,11 +20,11 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from clover_jax.io.hf import write_safetensors
+from clover_jax.drafters import registry
+from clover_jax.drafters.base import SAVED, DraftIds, Drafter, HeadsConfig
 from clover_jax.drafters.vocab import DraftVocab, ranking, resolve_size
-from clover_jax.drafters.draft_model import DraftIds
 from clover_jax.errors import CloverError
 from clover_jax.io.files import write_text
-from clover_jax.drafters.heads import Heads, HeadsConfig, make_heads
 from clover_jax.model.layers import from_stored, stored_parts, to_stored
 from clover_jax.model.llama import Llama
 from clover_jax.trees.static import Tree
@@ -33,7 +33,6 @@ WEIGHTS = "heads.safetensors"
 CONFIG = "heads.json"
 TREE = "tree.json"  # a static tree fitted to the heads (train.evaluate --fit-tree --record): `--tree default`
 COUNTS = "token_counts.safetensors"  # each token's count in the training targets and probability mass (draft_vocab)
-SAVED = (nnx.Param, DraftIds)  # what a heads file holds: the parameters, and EAGLE-3's draft token ids
 
 
 def base_fingerprint(base: Llama) -> str:
@@ -50,7 +49,7 @@ def _name(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
 
-def _stored_params(heads: Heads, dtype=None) -> dict[str, np.ndarray]:
+def _stored_params(heads: Drafter, dtype=None) -> dict[str, np.ndarray]:
     """The heads' parameters as the file holds them: by dotted path, q/k/v apart (`layers.to_stored`),
     floating ones cast to `dtype` (None: as they are; token ids keep theirs)."""
     def cast(a: np.ndarray) -> np.ndarray:
@@ -59,7 +58,7 @@ def _stored_params(heads: Heads, dtype=None) -> dict[str, np.ndarray]:
             for part, array in to_stored(path, np.asarray(jax.device_get(var[...])))}
 
 
-def save_heads(heads: Heads, base: Llama, out_dir: str | Path, extra: dict | None = None,
+def save_heads(heads: Drafter, base: Llama, out_dir: str | Path, extra: dict | None = None,
                token_counts: np.ndarray | None = None, dtype=None, token_mass: np.ndarray | None = None) -> Path:
     """Write the heads and their config (plus `extra` metadata, e.g. training figures) to `out_dir`,
     and the counts of the tokens they were trained to predict (for a draft vocabulary) when given, with
@@ -162,7 +161,7 @@ def load_draft_vocab(heads_dir: str | Path | None, base: Llama, spec: str | int 
     return DraftVocab.most_frequent(base.lm_head_weight(), ranking(counts, mass, greedy), size) if size else None
 
 
-def load_heads(heads_dir: str | Path, base: Llama, method: str | None = None) -> Heads:
+def load_heads(heads_dir: str | Path, base: Llama, method: str | None = None) -> Drafter:
     """Load heads for `base`; refuses heads of another method or trained for another base model."""
     meta = read_heads_config(heads_dir)
     hcfg = HeadsConfig(**meta["heads"])
@@ -175,7 +174,7 @@ def load_heads(heads_dir: str | Path, base: Llama, method: str | None = None) ->
         stored = load_file(str(Path(heads_dir) / WEIGHTS))
     except Exception as e:  # safetensors' own error types for missing or corrupt files
         raise CloverError(f"{heads_dir}: cannot read {WEIGHTS} ({e})") from None
-    heads = make_heads(hcfg, base)
+    heads = registry.make_drafter(hcfg, base)
     flat = nnx.to_flat_state(nnx.state(heads, SAVED))
     expected = {_name(part): shape for path, var in flat for part, shape in stored_parts(path, var[...].shape)}
     missing = sorted(set(expected) - set(stored))
