@@ -4,7 +4,7 @@ in the teacher-forced drafts (`target_ranks`), and decoding's steps replayed ove
 
 `tree_steps` replays decoding's steps over the same teacher-forced drafts, which gives the tokens per
 step a chain through every head, or any static tree, will reach; per-head accuracy overstates it
-(docs/benchmarks.md).
+(docs/history/benchmarks.md).
 """
 
 from __future__ import annotations
