@@ -109,6 +109,23 @@ def test_a_broken_costs_file_is_timed_again_and_rewritten(model, tmp_path, monke
                                                             "per_draft": 0.14}]
 
 
+@pytest.mark.parametrize("bad", [{"base": "abc", "per_draft": 0.14}, {"base": 1.1, "per_draft": None},
+                                 {"base": float("nan"), "per_draft": 0.1}, {"base": -1, "per_draft": 0.1}, [1, 2]])
+def test_an_unreadable_kept_entry_is_timed_again_and_replaced(bad, model, tmp_path, monkeypatch):
+    """A kept entry that is no chain cost (a hand edit: "base": "abc") is timed again as a missing one,
+    not a ValueError on every --tree auto run until the file is deleted; the other entries stay."""
+    kept = tmp_path / "step-costs.json"
+    monkeypatch.setenv(step_cost.COSTS_ENV, str(kept))
+    heads = make_heads(HeadsConfig("clover2", 1), model)
+    key = step_cost.entry_key(model, heads, None, False)
+    kept.write_text(json.dumps({key: bad, "another machine": {"base": 1.3, "per_draft": 0.2}}, allow_nan=True))
+    monkeypatch.setattr(step_cost, "measure", lambda *a, **k: {"plain_ms": 1.0, "chain": {"1": 1.2}, "base": 1.06,
+                                                               "per_draft": 0.14})
+    assert step_cost.chain_cost(model, heads, None, sampling=False) == ChainCost(1.06, 0.14)
+    assert json.loads(kept.read_text()) == {key: {"plain_ms": 1.0, "chain": {"1": 1.2}, "base": 1.06, "per_draft": 0.14},
+                                            "another machine": {"base": 1.3, "per_draft": 0.2}}
+
+
 @pytest.mark.parametrize("base, expected", [(1.05, "tree=2 nodes, depth 1,"), (1.5, "plain decoding (tree auto:")])
 def test_generate_auto_follows_the_timed_cost(base, expected, model_dir, model, tmp_path, monkeypatch, capsys):
     """Heads whose one draft brings 1.3 tokens a step: where this machine's chain:1 step costs 1.15

@@ -20,6 +20,7 @@ timing, the fitted model.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -120,6 +121,16 @@ def measure(model: Llama, drafter: Drafter, vocab: DraftVocab | None, sampling: 
             "base": round(steps[first] - per_draft * first, 4), "per_draft": round(per_draft, 4)}
 
 
+def usable(entry) -> bool:
+    """Whether a kept entry holds a chain cost: a positive `base` and a `per_draft` >= 0, as finite numbers.
+    Any other (a hand edit, a damaged file, another version's) is timed again and replaced, as a missing one."""
+    if not isinstance(entry, dict):
+        return False
+    base, per_draft = entry.get("base"), entry.get("per_draft")
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (base, per_draft))
+    return numbers and base > 0 and per_draft >= 0
+
+
 def chain_cost(model: Llama, drafter: Drafter, vocab: DraftVocab | None, sampling: bool,
                mesh=None) -> ChainCost | None:
     """This machine's chain step cost for `drafter` on `model` (`vocab`, greedy or `sampling`), timed
@@ -136,7 +147,7 @@ def chain_cost(model: Llama, drafter: Drafter, vocab: DraftVocab | None, samplin
     if not isinstance(kept, dict):
         kept = {}
     entry = kept.get(key)
-    if not isinstance(entry, dict) or not {"base", "per_draft"} <= entry.keys():
+    if not usable(entry):
         print(f"timing a plain step and chain steps on this CPU, once (kept in {path}) ...", file=sys.stderr, flush=True)
         entry = measure(model, drafter, vocab, sampling, mesh)
         if entry is None:
