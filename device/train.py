@@ -1,0 +1,184 @@
+"""`python -m device.train`: the prepared training lease, SmolLM2's heads for every method in about 8 minutes.
+
+    python3 -m device.stage .device-stage/part-2.tar --need train && python3 -m device.train   # on the device
+    python -m device.train --dry --out /tmp/train                                               # here, on a CPU
+
+The recipe of train/smollm2_heads.sh (models/smollm2/heads/MODEL_CARD.md, rounds 5 and 6), bounded to
+one call: the held-out set (round 5's yardstick: the committed answers to ShareGPT's first 640 records)
+made first, so that its compiled programs, kept in the stage's compilation cache, serve the other sets;
+then, side by side, the model's own answers (models/smollm2/distill, the first `--self` records) and
+ShareGPT's own replies to the records after them (`--fixed` sets of `--fixed-records` each, from the
+ShareGPT slice the packer carries), every set with its hidden states and EAGLE-3's layers stored
+(`--store-hidden float16 --store-features`), so no training step runs the base model; merged; then the
+five trainings side by side on the one GPU (round 6: Medusa, Clover and EAGLE-1 ran 4,800 steps in 2.2-2.6
+minutes five at a time, Clover-2 at 20-35 steps a second). OUT receives the heads as heads.tar.gz.part-NN
+(15 MiB pieces: `cat heads.tar.gz.part-* | tar xz`), train.tar.gz (logs, metrics, run.json, the curves
+table and plot) and curves.md. A training not finished by the deadline is killed and named; the others
+still come back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+from device.common import Clock, bundle, out_dir, run_jobs, run_one, stage_dir, stage_env, tail
+
+REPO = Path(__file__).resolve().parents[1]
+METHODS = ("clover2", "clover", "medusa", "eagle", "eagle3")
+PIECE = 15 * 2**20  # under the 16 MiB a returned file may be
+
+
+def dry_records(path: Path, n: int) -> Path:
+    """Tiny ShareGPT-style conversations from the reference model's prompts, each answered with the next
+    prompt's text: fixed replies for the dry run's --mode fixed set."""
+    prompts = [json.loads(line)["prompt"] for line in open(REPO / "models" / "reference" / "prompts.jsonl")][: n + 1]
+    with open(path, "w") as f:
+        for a, b in zip(prompts, prompts[1:]):
+            f.write(json.dumps({"conversations": [{"from": "human", "value": a}, {"from": "gpt", "value": b[:200]}]}) + "\n")
+    return path
+
+
+def commands(args, work: Path) -> dict[str, list]:
+    """The data, merge and training commands of the plan."""
+    py = [sys.executable, "-m"]
+    d = work / "data"
+    if args.dry:
+        base, prompts = str(REPO / "models" / "reference"), str(REPO / "models" / "reference" / "prompts.jsonl")
+        md = py + ["train.make_data", "--base", base, "--chat", "--max-len", "256", "--store-hidden", "float16",
+                   "--store-features", "--batch-size", "4", "--buckets", "128,256"]
+        own = ["--data", prompts, "--max-new-tokens", "8"]
+        evals = md + own + ["--limit", "6", "--out", str(d / "eval")]
+        selfs = md + own + ["--limit", str(args.self_records), "--out", str(d / "self")]
+        fixed_file = dry_records(work / "fixed.jsonl", args.fixed * args.fixed_records)
+        fixed = [md + ["--data", str(fixed_file), "--mode", "fixed", "--first", str(k * args.fixed_records),
+                       "--limit", str(args.fixed_records), "--out", str(d / f"fixed{k}")] for k in range(args.fixed)]
+    else:
+        base = "smollm2"
+        md = py + ["train.make_data", "--base", base, "--data", "sharegpt", "--chat", "--max-len", "2048",
+                   "--store-hidden", "float16", "--store-features", "--batch-size", "32", "--buckets", "512,1024"]
+        own = ["--max-new-tokens", "256", "--answers", str(REPO / "models" / "smollm2" / "distill")]
+        evals = md + own + ["--limit", "640", "--out", str(d / "eval")]
+        selfs = md + own + ["--limit", str(args.self_records), "--out", str(d / "self")]
+        fixed = [md + ["--mode", "fixed", "--first", str(args.self_records + k * args.fixed_records),
+                       "--limit", str(args.fixed_records), "--out", str(d / f"fixed{k}")] for k in range(args.fixed)]
+    merge = py + ["train.merge_data", str(d / "self"), *[str(d / f"fixed{k}") for k in range(args.fixed)],
+                  "--out", str(d / "joined")]
+    steps = str(args.steps)
+    train = {}
+    for m in args.methods.split(","):
+        vocab = ["--draft-vocab", str(args.vocab)] if m == "eagle3" else ["--loss-vocab", str(args.vocab)]
+        train[m] = py + ["train.train", "--method", m, "--base", base, "--data", str(d / "joined"),
+                         "--eval-data", str(d / "eval"), "--counts-from", str(d / "self"), "--steps", steps,
+                         "--batch-size", str(args.batch), "--seq-len", str(args.seq_len), "--warmup", "50",
+                         "--dtype", "bfloat16", "--export-dtype", "bfloat16", "--eval-every", str(args.eval_every),
+                         "--eval-batches", "4" if not args.dry else "1", "--ckpt-every", str(args.eval_every),
+                         "--out", str(work / "heads" / m), "--work-dir", str(work / "runs" / m), *vocab]
+    return {"eval": evals, "self": selfs, "fixed": fixed, "merge": merge, "train": train}
+
+
+def pieces(folder: Path, out: Path, name: str) -> list[Path]:
+    """`folder` as tar.gz cut into OUT/NAME.tar.gz.part-NN pieces under the returned files' size limit."""
+    blob = out / f".{name}.tar.gz"
+    with tarfile.open(blob, "w:gz") as tar:
+        tar.add(folder, arcname=name)
+    written = []
+    with open(blob, "rb") as f:
+        for k, data in enumerate(iter(lambda: f.read(PIECE), b"")):
+            written.append(out / f"{name}.tar.gz.part-{k:02d}")
+            written[-1].write_bytes(data)
+    blob.unlink()
+    return written
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m device.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--dry", action="store_true", help="the reference model, tiny sizes, on this machine")
+    p.add_argument("--out", help="where the results go (default: $OUT)")
+    p.add_argument("--budget-s", type=float, default=None, help="seconds the whole lease may take (default: 450)")
+    p.add_argument("--methods", default=",".join(METHODS), help="methods to train (default: all five)")
+    p.add_argument("--self", dest="self_records", type=int, default=None,
+                   help="ShareGPT records answered by the model itself, the committed answers (default: 1570; dry 8)")
+    p.add_argument("--fixed", type=int, default=2, help="sets of ShareGPT's own replies (default: 2; dry 1)")
+    p.add_argument("--fixed-records", type=int, default=None, help="records per fixed set (default: 800; dry 6)")
+    p.add_argument("--steps", type=int, default=None, help="training steps of each method (default: 4000; dry 4)")
+    p.add_argument("--batch", type=int, default=None, help="windows a step (default: 8; dry 2)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens a window (default: 512; dry 64)")
+    p.add_argument("--eval-every", type=int, default=None, help="steps between held-out evaluations (default: 400; dry 2)")
+    p.add_argument("--vocab", type=int, default=None, help="loss / EAGLE-3 draft vocabulary (default: 8192; dry 256)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    dry = dict(self_records=8, fixed_records=6, steps=4, batch=2, seq_len=64, eval_every=2, vocab=256)
+    real = dict(self_records=1570, fixed_records=800, steps=4000, batch=8, seq_len=512, eval_every=400, vocab=8192)
+    for k, v in (dry if args.dry else real).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.dry and args.fixed == 2:
+        args.fixed = 1
+    out = out_dir(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    clock = Clock(args.budget_s or (600.0 if args.dry else 450.0))
+    stage = stage_dir() if not args.dry else out / ".dry-stage"
+    work = stage / "train-work"
+    shutil.rmtree(work, ignore_errors=True)
+    (work / "logs").mkdir(parents=True)
+    env = stage_env(stage)
+    cmd = commands(args, work)
+    logs = work / "logs"
+    deadline = clock.budget_s - 25  # left for packing the heads
+    if run_one("data-eval", cmd["eval"], env, logs / "data-eval.log", deadline - clock.elapsed(), clock) != 0:
+        print(tail(logs / "data-eval.log", 5))
+        return 1
+    jobs = [("data-self", cmd["self"], env, logs / "data-self.log")] + \
+           [(f"data-fixed{k}", c, env, logs / f"data-fixed{k}.log") for k, c in enumerate(cmd["fixed"])]
+    status = run_jobs(jobs, len(jobs), deadline, clock)
+    if any(v != 0 for v in status.values()):
+        for name, *_ in jobs:
+            print(tail(logs / f"{name}.log", 3))
+        return 1
+    if run_one("merge", cmd["merge"], env, logs / "merge.log", deadline - clock.elapsed(), clock) != 0:
+        print(tail(logs / "merge.log", 5))
+        return 1
+    clock.say("data made: " + tail(logs / "merge.log", 1))
+    jobs = [(f"train-{m}", c, env, logs / f"train-{m}.log") for m, c in cmd["train"].items()]
+    status = run_jobs(jobs, len(jobs), deadline, clock)
+    runs = [str(work / "runs" / m) for m in cmd["train"] if (work / "runs" / m / "metrics.jsonl").is_file()]
+    if runs:
+        subprocess.run([sys.executable, "-m", "train.curves", *runs, "--plot", str(work / "curves.png"),
+                        "--out", str(work / "curves.md")], env=env, cwd=REPO)
+    done = [m for m in cmd["train"] if (work / "heads" / m / "heads.json").is_file()]
+    missing = [m for m in cmd["train"] if m not in done]
+    note = f"exported: {', '.join(done) or 'none'}" + (f"; not finished: {', '.join(missing)}" if missing else "")
+    (work / "curves.md").write_text((work / "curves.md").read_text() + f"\n\n{note}\n" if (work / "curves.md").is_file()
+                                    else note + "\n")
+    shutil.copyfile(work / "curves.md", out / "curves.md")
+    if done:
+        for piece in pieces(work / "heads", out, "heads"):
+            clock.say(f"wrote {piece.name}")
+    bundle_dir = work / "bundle"
+    bundle_dir.mkdir()
+    shutil.copytree(logs, bundle_dir / "logs")
+    for m in cmd["train"]:
+        for f in ("metrics.jsonl", "run.json"):
+            if (work / "runs" / m / f).is_file():
+                (bundle_dir / m).mkdir(exist_ok=True)
+                shutil.copyfile(work / "runs" / m / f, bundle_dir / m / f)
+    for f in ("curves.md", "curves.png"):
+        if (work / f).is_file():
+            shutil.copyfile(work / f, bundle_dir / f)
+    bundle(bundle_dir, out, "train")
+    clock.say(note)
+    print((work / "curves.md").read_text()[-4000:])
+    return 0 if not missing else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
