@@ -1,0 +1,99 @@
+"""The prepared GPU lease (device/): the packer's parts fit and join back byte for byte, the stage
+unpacks them in any order and says what is missing, the aside move is a rename both ways, every run of
+the check's plan parses with the benchmark's own flags, and the check's and the training's dry modes
+run on the reference model and write what a lease returns."""
+
+import json
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from device import aside, check, pack, stage
+from infer.benchmark import build_parser
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_pack_parts_fit_and_stage_joins_them_in_any_order(tmp_path, monkeypatch):
+    src = tmp_path / "src"
+    (src / "heads" / "m").mkdir(parents=True)
+    big = bytes(range(256)) * 4000  # 1 MB that gzip cannot shrink much below a part
+    rng = __import__("random").Random(0)
+    noise = bytes(rng.getrandbits(8) for _ in range(300_000))
+    (src / "heads" / "m" / "w.bin").write_bytes(noise)
+    (src / "model.gguf").write_bytes(noise + big)
+    (src / "q.jsonl").write_text('{"turns": ["hi"]}\n')
+    items = [pack.Item("q", src / "q.jsonl", "cache/q.jsonl"), pack.Item("model", src / "model.gguf", "cache/m.gguf"),
+             pack.Item("heads", src / "heads", "heads", needed_by=("check",))]
+    limit = 200_000
+    manifest = pack.pack(items, tmp_path / "parts", limit)
+    parts = sorted((tmp_path / "parts").glob("part-*.tar"))
+    assert len(parts) == manifest["parts"] >= 3
+    assert all(p.stat().st_size <= limit for p in parts)
+    monkeypatch.setenv("CLOVER_STAGE", str(tmp_path / "stage"))
+    assert stage.main([str(parts[-1]), "--need", "check"]) == 1  # the first parts are missing
+    for p in reversed(parts[:-1]):
+        stage.main([str(p)])
+    assert stage.main(["--status", "--need", "check"]) == 0
+    root = tmp_path / "stage"
+    assert (root / "cache" / "m.gguf").read_bytes() == noise + big
+    assert (root / "cache" / "q.jsonl").read_text() == '{"turns": ["hi"]}\n'
+    assert (root / "heads" / "m" / "w.bin").read_bytes() == noise
+    assert not list((root / "chunks").iterdir())  # joined chunks are deleted
+    other = pack.pack(items[:1], tmp_path / "other", limit)
+    assert other["pack_id"] != manifest["pack_id"]
+    with pytest.raises(SystemExit, match="another pack"):
+        stage.main([str(tmp_path / "other" / "part-1.tar")])
+
+
+def test_aside_moves_by_rename_and_back(tmp_path):
+    repo, away = tmp_path / "repo", tmp_path / "repo" / ".device-aside"
+    (repo / ".git").mkdir(parents=True)
+    (repo / "models" / "a").mkdir(parents=True)
+    (repo / "models" / "a" / "f").write_text("x")
+    assert aside.move("out", repo, away, ("models/a", "models/b")) == ["models/a: moved to .device-aside/",
+                                                                       "models/b: already missing"]
+    assert aside.where("models/a", repo, away) == "aside" and (away / "models" / "a" / "f").read_text() == "x"
+    assert "/.device-aside/" in (repo / ".git" / "info" / "exclude").read_text().splitlines()
+    assert aside.move("out", repo, away, ("models/a",)) == ["models/a: already aside"]
+    aside.move("back", repo, away, ("models/a",))
+    assert (repo / "models" / "a" / "f").read_text() == "x" and aside.where("models/a", repo, away) == "tree"
+    (away / "models" / "a").mkdir(parents=True)
+    with pytest.raises(SystemExit, match="both"):
+        aside.move("out", repo, away, ("models/a",))
+
+
+@pytest.mark.parametrize("dry", [False, True])
+def test_every_run_of_the_check_parses_with_the_benchmarks_flags(dry):
+    parser = build_parser()
+    runs = check.plan(dry, Path("/tmp/clover-stage"))
+    names = [r.name for r in runs]
+    assert names[0] == "smollm2-bf16-greedy-b1" and len(set(names)) == len(names)
+    for r in runs:
+        if not r.skip:
+            parser.parse_args(r.args + ["--json", "x.json"])
+    real = check.plan(False, Path("/s"))
+    first = real[0].args
+    assert first[first.index("--buckets") + 1] == "1024" and "--chat" in first
+    assert "clover2=chain:5" in first and "eagle3=chain:7" in first
+    without = check.plan(False, Path("/s"), flags=set())
+    assert [r.name for r in without if r.skip] == ["loop-k1", "loop-k8", "loop-k32"]
+    assert next(r for r in without if r.name == "loop-cmdbuf").env["XLA_FLAGS"] == check.COMMAND_BUFFER_XLA
+
+
+def test_the_checks_dry_mode_writes_what_a_lease_returns(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "device.check", "--dry", "--out", str(tmp_path), "--jobs", "2",
+                           "--only", "loop-base"], cwd=REPO, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    returned = [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")]
+    assert len(returned) <= 8 and {"check.tar.gz", "summary.md"} <= set(returned)
+    with tarfile.open(tmp_path / "check.tar.gz") as tar:
+        names = tar.getnames()
+        run = json.load(tar.extractfile("check/json/loop-base.json"))
+    assert "check/png/loop-base.png" in names and "check/precompile/loop-base.log" in names
+    assert {r["method"] for r in run["results"]} == {"plain", "clover2"}
+    assert "## loop-base" in (tmp_path / "summary.md").read_text()
