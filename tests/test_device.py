@@ -97,3 +97,19 @@ def test_the_checks_dry_mode_writes_what_a_lease_returns(tmp_path):
     assert "check/png/loop-base.png" in names and "check/precompile/loop-base.log" in names
     assert {r["method"] for r in run["results"]} == {"plain", "clover2"}
     assert "## loop-base" in (tmp_path / "summary.md").read_text()
+
+
+def test_the_trainings_dry_mode_returns_heads_and_curves(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "device.train", "--dry", "--out", str(tmp_path), "--methods", "medusa"],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    returned = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
+    assert returned == ["curves.md", "heads.tar.gz.part-00", "train.tar.gz"]
+    assert "exported: medusa" in (tmp_path / "curves.md").read_text()
+    heads = tmp_path / "heads"
+    heads.mkdir()
+    (heads / "heads.tar.gz").write_bytes(b"".join(p.read_bytes() for p in sorted(tmp_path.glob("heads.tar.gz.part-*"))))
+    with tarfile.open(heads / "heads.tar.gz") as tar:
+        assert "heads/medusa/heads.json" in tar.getnames()
+    with tarfile.open(tmp_path / "train.tar.gz") as tar:
+        assert "train/medusa/metrics.jsonl" in tar.getnames()
