@@ -9,7 +9,9 @@ and optionally the Hugging Face `transformers` peer and a 7B/8B-shaped model's s
 Every prompt generates exactly --max-new-tokens tokens (EOS is not a stop), so every method does the
 same work; or, with --stop-at-eos (the default with --chat, as Spec-Bench runs), each answer ends at the
 model's EOS, where a chat model's turn ends: greedy, every method then still writes the same tokens.
-Greedy outputs are checked against plain decoding's on the way. Times are medians over
+Greedy outputs are checked against plain decoding's on the way: each row counts the prompts whose text
+is plain decoding's and, for the others, where it first parted and how near a tie the base model's two
+tokens were there; in float32 a parting is a bug, and the run ends with status 1. Times are medians over
 --repeats passes over the prompt set, after a warm-up pass that also compiles every bucket; the
 methods take their timed passes in turn, round by round, so a shared host's drifting load reaches
 them all alike. With --repeats 0 the warm-up pass alone is timed (its compiling left out): tau at half
@@ -33,6 +35,7 @@ from clover_jax.drafters import registry
 from clover_jax.io import sources
 from clover_jax.io.heads_dir import TREE
 from clover_jax.model.config import ModelConfig
+from clover_jax.model.divergence import compare
 from clover_jax.io.hf import load_pretrained
 from clover_jax.engine.decode import BUCKETS, Generator, GenerationOutput, bucket_for
 from clover_jax.drafters.vocab import parse_size
@@ -521,6 +524,7 @@ def _benchmark(args: argparse.Namespace) -> int:
                                 efficiency = plain_efficiency(model, sample, args.max_new_tokens, phases)
                     elif temp == 0:
                         row.matches_plain = tokens == plain_tokens
+                        report.record_partings(row, compare(model, prompts, plain_tokens, tokens))
                     row.speedup = row.tokens_per_s / plain.tokens_per_s
                     task_speedups(row, plain)
                     rows.append(row)
@@ -533,6 +537,8 @@ def _benchmark(args: argparse.Namespace) -> int:
                                                     args.dtype, progress, tasks, answer_eos).items():
                     row = Row(method=name, batch_size=b, tau=None, matches_plain=None if plain_tokens is None else
                               tokens == plain_tokens, speedup=stats["tokens_per_s"] / plain.tokens_per_s, **stats)
+                    if plain_tokens is not None:
+                        report.record_partings(row, compare(model, prompts, plain_tokens, tokens))
                     task_speedups(row, plain)
                     rows.append(row)
         shape = None
@@ -544,7 +550,7 @@ def _benchmark(args: argparse.Namespace) -> int:
             project(shape, {label(r.method, r.tree or None, draft_vocab=r.draft_vocab): r.tau for r in rows
                             if r.batch_size == sizes[0] and r.temperature == temps[0]}, bandwidth)
 
-    print(report.format_table(rows))
+    print(report.format_table(rows, args.dtype))
     tasks_table = report.format_tasks(rows)
     if tasks_table:
         print("\n" + tasks_table)
@@ -569,6 +575,10 @@ def _benchmark(args: argparse.Namespace) -> int:
         report.write_json(result, args.json)
     if args.plot:
         report.plot(rows, args.plot, shape)
+    strict = report.strict_note(rows, args.dtype)
+    if strict:  # after the outputs are written, which show where the texts parted
+        print(f"error: {strict}", file=sys.stderr)
+        return 1
     return 0
 
 

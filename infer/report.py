@@ -6,6 +6,7 @@ import dataclasses
 import datetime
 import json
 import os
+import statistics
 from pathlib import Path
 
 import jax
@@ -41,6 +42,11 @@ class Row:
     compilations: int = 0
     buckets: int = 0
     matches_plain: bool | None = None
+    # Greedy rows: how many prompts' texts are plain decoding's (same dtype and batch size), and per prompt
+    # None where it is, else where it first parted (`clover_jax.model.divergence.Divergence`: the token
+    # index, the two tokens, their logit gap, the top-2 gap and the logits' scale and spacing there).
+    same_text: int | None = None
+    divergences: list[dict | None] | None = None
     at_eos: int | None = None  # with --stop-at-eos, the answers that ended at an EOS (the rest hit the budget)
     node_hits: list[int] | None = None  # a static tree's: steps whose accepted path held node i (--fit-tree)
     # Per Spec-Bench task, where the prompts name one (`benchmark.per_task`): prompts, tau, new_tokens,
@@ -72,31 +78,83 @@ def machine_info(bandwidth: float) -> dict:
 COLUMNS = ("method", "batch", "tree (nodes)", "vocab", "tau", "tok/s", "speedup", "step ms", "compile s", "compiles",
            "drafted", "accept@1..D")
 _WIDTHS = (-17, 5, -26, 6, 6, 9, 8, 9, 10, 9, 8)  # the terminal table's columns; negative: left-aligned
+_SAME_WIDTH = 25  # the `same text` column's, where shown
 
 
-def cells(r: Row) -> list[str]:
+def cells(r: Row, same_text: bool = False) -> list[str]:
     """A row's figures as its tables show them, one string per `COLUMNS` entry: the terminal's
-    (`format_table`) and the markdown of docs/results.md (`infer.results`)."""
+    (`format_table`) and the markdown of docs/results.md (`infer.results`); with `same_text`, also
+    `same_text_cell`'s, before the last (`columns`)."""
     tree = f"{r.tree} ({r.tree_nodes})" if r.tree else "-"
     vocab = "-" if r.tree_nodes == 1 else str(r.draft_vocab_size or "all")  # plain, or `auto` decoding plain
-    return [r.method if not r.temperature else f"{r.method} T={r.temperature:g}", str(r.batch_size), tree, vocab,
-            "-" if r.tau is None else f"{r.tau:.2f}", f"{r.tokens_per_s:.1f}", f"{r.speedup:.2f}x",
-            f"{r.step_ms:.2f}" if r.step_ms else "-", f"{r.compile_s:.1f}" if r.buckets else "-",
-            f"{r.compilations}/{r.buckets}" if r.buckets else "-", "-" if r.drafted is None else f"{r.drafted:.0%}",
-            " ".join(f"{a:.2f}" for a in r.accept_per_depth)]
+    out = [r.method if not r.temperature else f"{r.method} T={r.temperature:g}", str(r.batch_size), tree, vocab,
+           "-" if r.tau is None else f"{r.tau:.2f}", f"{r.tokens_per_s:.1f}", f"{r.speedup:.2f}x",
+           f"{r.step_ms:.2f}" if r.step_ms else "-", f"{r.compile_s:.1f}" if r.buckets else "-",
+           f"{r.compilations}/{r.buckets}" if r.buckets else "-", "-" if r.drafted is None else f"{r.drafted:.0%}",
+           " ".join(f"{a:.2f}" for a in r.accept_per_depth)]
+    return out[:-1] + [same_text_cell(r)] + out[-1:] if same_text else out
 
 
-def format_table(rows: list[Row]) -> str:
+SAME_TEXT = "same text"
+
+
+def has_same_text(rows: list[Row]) -> bool:
+    """Whether the tables show the `same text` column: where a run counted the texts (older JSONs did not)."""
+    return any(r.same_text is not None for r in rows)
+
+
+def columns(same_text: bool = False) -> list[str]:
+    """The tables' column names; with `same_text`, its column before the last, as `cells` puts it."""
+    return list(COLUMNS[:-1]) + [SAME_TEXT] + list(COLUMNS[-1:]) if same_text else list(COLUMNS)
+
+
+def parted_at(r: Row) -> list[int]:
+    """The token indices at which the row's texts first parted from plain decoding's, one per prompt
+    whose text is not plain's."""
+    return [d["index"] for d in r.divergences or [] if d]
+
+
+def same_text_cell(r: Row) -> str:
+    """`k/n`: k of the n prompts' texts are plain decoding's; where some are not, the median and first
+    token index at which they parted: `22/24 (at 41, first 7)`; `-` where not counted (sampling, plain)."""
+    if r.same_text is None:
+        return "-"
+    n, at = len(r.divergences or []), parted_at(r)
+    return f"{r.same_text}/{n}" + (f" (at {statistics.median(at):g}, first {min(at)})" if at else "")
+
+
+def record_partings(row: Row, parts: list) -> None:
+    """A greedy row's `same_text` and `divergences` from its prompts' `divergence.compare` (None: the
+    prompt's text is plain decoding's)."""
+    row.same_text = sum(d is None for d in parts)
+    row.divergences = [None if d is None else dataclasses.asdict(d) for d in parts]
+
+
+def strict_partings(rows: list[Row], dtype: str) -> list[str]:
+    """The greedy rows of this engine whose text parted from plain decoding's where it must not: in
+    float32 (a bug; `transformers`' rows are another implementation, and not held to it)."""
+    return [f"{r.name} (batch {r.batch_size})" for r in rows
+            if dtype == "float32" and r.matches_plain is False and not r.method.startswith("hf-")]
+
+
+def flags_difference(r: Row, dtype: str) -> bool:
+    """Whether a table marks the row's output as differing from plain decoding's: in float32, where it
+    is a bug, or where no `same text` count says how far it differs."""
+    return r.matches_plain is False and (dtype == "float32" or r.same_text is None)
+
+
+def format_table(rows: list[Row], dtype: str = "float32") -> str:
     def line(values):  # the tree column's leading space parts it from the batch size
-        return "".join(f"{v:<{-w}}" if w < 0 else f"{v:>{w}}" for v, w in zip(values, _WIDTHS)) + "  " + values[-1]
+        return "".join(f"{v:<{-w}}" if w < 0 else f"{v:>{w}}" for v, w in zip(values, widths)) + "  " + values[-1]
 
-    head = line([c if c != "tree (nodes)" else " " + c for c in COLUMNS]).rstrip()
+    same = has_same_text(rows)
+    widths = _WIDTHS + ((_SAME_WIDTH,) if same else ())
+    head = line([c if c != "tree (nodes)" else " " + c for c in columns(same)]).rstrip()
     lines = [head, "-" * len(head)]
     for r in rows:
-        values = cells(r)
+        values = cells(r, same)
         values[2] = " " + values[2]
-        same = "" if r.matches_plain is None else ("" if r.matches_plain else "  OUTPUT DIFFERS FROM PLAIN")
-        lines.append(line(values) + same)
+        lines.append(line(values) + ("  OUTPUT DIFFERS FROM PLAIN" if flags_difference(r, dtype) else ""))
     return "\n".join(lines)
 
 
@@ -136,12 +194,41 @@ def format_tasks(rows: list[Row]) -> str:
 
 
 def exactness_note(rows: list[Row], dtype: str) -> str | None:
-    """Why a greedy row wrote other tokens than plain decoding, where numerics explain it (not float32)."""
+    """Why a greedy row wrote other tokens than plain decoding, where numerics explain it (not float32),
+    and per such row where its texts parted and how near a tie the base model's two tokens were there."""
     if dtype == "float32" or all(r.matches_plain is not False for r in rows):
         return None
-    return (f"In {dtype}, a forward pass over several tokens rounds some logits differently from one over a "
-            "single token, so a near-tie can go the other way and the texts part there; in float32 greedy "
-            "speculative decoding writes plain decoding's tokens exactly (docs/generate.md, \"Exactness and dtype\").")
+    lines = [f"In {dtype}, a forward pass over several tokens rounds some logits differently from one over a "
+             "single token, so a near-tie can go the other way and the texts part there; in float32 greedy "
+             "speculative decoding writes plain decoding's tokens exactly (docs/generate.md, \"Exactness and dtype\")."]
+    for r in rows:
+        if r.matches_plain is False and parted_at(r):
+            lines.append(f"  {r.name}, batch {r.batch_size}: " + parting_line(r))
+    return "\n".join(lines)
+
+
+def parting_line(r: Row) -> str:
+    """Where a row's texts parted from plain decoding's, and the base model's gap between the two tokens
+    there in spacings of the logits' dtype at the largest logit (a few: a near-tie within rounding)."""
+    parted = [d for d in r.divergences or [] if d]
+    at = [d["index"] for d in parted]
+    ulps = [abs(d["gap"]) / d["ulp"] for d in parted if d.get("gap") is not None and d.get("ulp")]
+    line = (f"{r.same_text} of {len(r.divergences)} texts are plain decoding's; the other {len(parted)} "
+            f"part{'s' if len(parted) == 1 else ''} at "
+            f"token {statistics.median(at):g} (median; first {min(at)})")
+    if ulps:
+        line += (f", where the two tokens' logits lay {statistics.median(ulps):.2f} spacings apart (median; at most "
+                 f"{max(ulps):.2f}) at the largest logit")
+    return line
+
+
+def strict_note(rows: list[Row], dtype: str) -> str | None:
+    """The line that says a float32 row parted from plain decoding (a bug), naming the rows."""
+    bad = strict_partings(rows, dtype)
+    if not bad:
+        return None
+    return (f"greedy output differs from plain decoding's in float32, where it must not (a bug; please report it): "
+            + ", ".join(bad))
 
 
 def summary(rows: list[Row], sizes: list[int], dtype: str, efficiency: dict | None, shape: dict | None,

@@ -57,18 +57,22 @@ def provenance(run: dict, path: str | Path, lead: str = "Measured") -> str:
     return line + (f" Command: `{command}`." if command else "")
 
 
-def rows_table(runs: list[list[Row]]) -> list[str]:
+def rows_table(runs: list[list[Row]], dtypes: list[str] | None = None) -> list[str]:
     """Every row of the runs, the benchmark's columns, with a first column naming the run where there are
-    several (speedups compare a row with its own run's plain decoding); a greedy row that wrote other text
-    than plain decoding says so in its last cell."""
+    several (speedups compare a row with its own run's plain decoding), and the `same text` column where a
+    run counted the texts; a greedy row that wrote other text than plain decoding says so in its last cell
+    where its run's dtype (`dtypes`, one per run; float32 if not given) makes that a bug, or no count says
+    how far."""
+    dtypes = dtypes or ["float32"] * len(runs)
+    same = any(report.has_same_text(rows) for rows in runs)
     body = []
-    for n, rows in enumerate(runs, 1):
+    for n, (rows, dtype) in enumerate(zip(runs, dtypes), 1):
         for r in rows:
-            line = report.cells(r)
-            if r.matches_plain is False:
+            line = report.cells(r, same)
+            if report.flags_difference(r, dtype):
                 line[-1] = (line[-1] + " **output differs from plain**").strip()
             body.append(([str(n)] if len(runs) > 1 else []) + line)
-    return markdown_table((["run"] if len(runs) > 1 else []) + list(report.COLUMNS), body)
+    return markdown_table((["run"] if len(runs) > 1 else []) + report.columns(same), body)
 
 
 def tasks_table(runs: list[list[Row]]) -> list[str]:
@@ -102,7 +106,8 @@ def render_runs(paths: list[str | Path], tasks: bool = True) -> str:
     run's `--shape` table where it has one, and a line per run saying where it was measured."""
     read = [read_run(p) for p in paths]
     runs = [rows for _, rows in read]
-    lines = rows_table(runs) + (tasks_table(runs) if tasks else [])
+    dtypes = [(run.get("settings") or {}).get("dtype", "float32") for run, _ in read]
+    lines = rows_table(runs, dtypes) + (tasks_table(runs) if tasks else [])
     for run, _ in read:
         lines += shape_table(run.get("shape"))
     for n, ((run, _), path) in enumerate(zip(read, paths), 1):

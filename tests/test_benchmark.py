@@ -442,3 +442,56 @@ def test_profiling_traces_the_program_the_timed_runs_compiled(tmp_path):
     before = gen.compilations
     ops = profiling.profile_ops(gen, prompts, 4, SamplingConfig(), 0, tmp_path, batch_size=1, eos_ids=eos)
     assert ops and gen.compilations == before
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_greedy_row_that_parts_from_plain_is_recorded_and_in_float32_fails_the_run(dtype, tmp_path, capsys, monkeypatch):
+    """Each greedy row counts the prompts whose text is plain decoding's and records, per prompt, where
+    the others first parted (token index, the two tokens, the base model's gap there). A speculative row
+    made to part at token 2 of the first prompt: in bfloat16 the run records it and succeeds; in float32,
+    where greedy output must be plain decoding's, it records it too, writes its JSON, and exits 1."""
+    measure = benchmark.run_engines
+
+    def parting(*args, **kw):
+        measured = measure(*args, **kw)
+        for name, (stats, tokens) in measured.items():
+            if name != "plain":
+                tokens[0] = tokens[0][:2] + [(tokens[0][2] + 1) % 64] + tokens[0][3:]
+        return measured
+
+    monkeypatch.setattr(benchmark, "run_engines", parting)
+    out = tmp_path / "bench.json"
+    code = benchmark.main(["--methods", "plain,medusa", "--num-prompts", "2", "--batch-sizes", "1", "--max-new-tokens",
+                           "4", "--repeats", "0", "--tree", "chain:1", "--dtype", dtype, "--json", str(out)])
+    captured = capsys.readouterr()
+    assert code == (1 if dtype == "float32" else 0)
+    assert ("differs from plain decoding's in float32" in captured.err) == (dtype == "float32")
+    rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["plain"]["same_text"] is None and rows["plain"]["divergences"] is None
+    medusa = rows["medusa"]
+    assert medusa["matches_plain"] is False and medusa["same_text"] == 1
+    first, second = medusa["divergences"]
+    assert second is None and (first["index"], first["other"]) == (2, (first["token"] + 1) % 64)
+    assert first["gap"] is not None and first["scale"] > 0 and first["ulp"] > 0
+    assert "1/2 (at 2, first 2)" in captured.out
+    assert ("OUTPUT DIFFERS FROM PLAIN" in captured.out) == (dtype == "float32")
+    assert ("the other 1 parts at token 2" in captured.out) == (dtype == "bfloat16")
+
+
+def test_same_text_cells_and_notes():
+    """The `same text` column shows where a run counted texts; the marker for a differing row stays where
+    it is a bug (float32) or uncounted; bfloat16's note says where rows parted and how near a tie."""
+    near = dict(index=7, token=3, other=4, gap=0.01, top2_gap=0.01, scale=3.0, ulp=0.0156)
+    parted = report.Row("clover2", 1, matches_plain=False, same_text=1, divergences=[None, near, dict(near, index=9)])
+    same = report.Row("clover2", 1, matches_plain=True, same_text=3, divergences=[None] * 3)
+    assert report.same_text_cell(parted) == "1/3 (at 8, first 7)" and report.same_text_cell(same) == "3/3"
+    assert report.same_text_cell(report.Row("plain", 1)) == "-"
+    assert report.columns(True)[-2:] == ["same text", "accept@1..D"] and report.columns() == list(report.COLUMNS)
+    assert report.cells(parted, True)[-2] == "1/3 (at 8, first 7)" and len(report.cells(parted)) == len(report.COLUMNS)
+    assert "same text" not in report.format_table([report.Row("plain", 1)])
+    assert "OUTPUT DIFFERS" in report.format_table([parted]) and "OUTPUT DIFFERS" not in report.format_table([parted], "bfloat16")
+    note = report.exactness_note([same, parted], "bfloat16")
+    assert "1 of 3 texts are plain decoding's; the other 2 part at token 8 (median; first 7)" in note
+    assert "0.64 spacings apart (median; at most 0.64)" in note
+    assert report.strict_note([parted], "bfloat16") is None and "clover2 default (batch 1)" in report.strict_note([parted], "float32")
+    assert report.strict_note([report.Row("hf-generate", 1, matches_plain=False)], "float32") is None

@@ -120,3 +120,12 @@ def divergences(model: Llama, prompt: Sequence[int], reference: Sequence[int],
             top2_gap=float(top2[1] - top2[0]), scale=scale,
             ulp=spacing(scale, model.dtype) if scale > 0 else None))
     return out
+
+
+def compare(model: Llama, prompts: Sequence[Sequence[int]], references: Sequence[Sequence[int]],
+            texts: Sequence[Sequence[int]]) -> list[Divergence | None]:
+    """Per prompt: None where its text is its reference (plain decoding's), else where it parted
+    (`divergences`); one forward of `model` per prompt that parted, none for the rest."""
+    if not len(prompts) == len(references) == len(texts):
+        raise ValueError(f"{len(prompts)} prompts, {len(references)} references and {len(texts)} texts")
+    return [divergences(model, p, r, [t])[0] for p, r, t in zip(prompts, references, texts)]
