@@ -28,7 +28,8 @@ import numpy as np
 from flax import nnx
 
 import cli
-from clover_jax.io.heads_dir import CONFIG, TREE, load_fitted_tree, load_heads, load_token_counts, read_heads_config
+from clover_jax.io.heads_dir import (CONFIG, TREE, load_fitted_tree, load_heads, load_token_counts, read_heads_config,
+                                    save_fitted_tree)
 from clover_jax.io.hf import load_pretrained
 from clover_jax.drafters.vocab import DraftVocab
 from clover_jax.errors import CloverError
@@ -113,8 +114,12 @@ def replayed_trees(args, drafter, kept: list) -> dict:
         for ranks, loss_mask in kept:
             losses.path_counts(ranks, loss_mask, drafter.depth, counts)
         tree = fit(counts, args.fit_tree, drafter.depth)
-        for out in [args.tree_out] * bool(args.tree_out) + [Path(args.heads) / TREE] * args.record:
-            tree.to_file(out, fitted_on=args.data, split=args.split)
+        written = [args.tree_out] if args.tree_out else []
+        if args.tree_out:
+            tree.to_file(args.tree_out, fitted_on=args.data, split=args.split)
+        if args.record:  # with the heads' hash, so heads exported over these later do not draft it
+            written.append(save_fitted_tree(args.heads, tree, fitted_on=args.data, split=args.split))
+        for out in written:
             print(f"fitted tree ({tree.num_nodes} nodes, depth {tree.max_depth}) written to {out}", file=sys.stderr)
         trees[f"fit:{args.fit_tree}"] = tree
     taus = {}

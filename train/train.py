@@ -28,7 +28,8 @@ from flax import nnx
 from tqdm import tqdm
 
 from clover_jax.drafters import registry
-from clover_jax.io.heads_dir import WEIGHTS, load_heads, read_heads_config, save_heads
+from clover_jax.io.files import check_free_space
+from clover_jax.io.heads_dir import WEIGHTS, export_bytes, load_heads, read_heads_config, save_heads
 from clover_jax.api import DTYPES
 from clover_jax.io.hf import load_pretrained
 from clover_jax.engine.decode import to_host
@@ -285,6 +286,8 @@ def run(args) -> int:
             raise CloverError(f"--loss-vocab {args.loss_vocab} must be in [1, {base.cfg.vocab_size}] (the vocabulary)")
     loss_vocab = DraftVocab.most_frequent(base.lm_head_weight(), counts, args.loss_vocab) if args.loss_vocab else None
     stored_features = stores_features(data, drafter)
+    # The export's size is known now: a full --out is refused before the training, not after it.
+    check_free_space(args.out, export_bytes(drafter, base.cfg.vocab_size, DTYPES[args.export_dtype]), " for the heads")
     # Float32 master weights; the forward casts them to the activations' dtype.
     nnx.update(drafter, jax.tree.map(lambda x: x.astype(jnp.float32), nnx.state(drafter, nnx.Param)))
     if mesh is not None:

@@ -2,7 +2,14 @@
 
 Heads only make sense on the base model they were trained for, so the JSON carries a fingerprint of
 that model (architecture plus a digest of a few of its weights), and loading onto any other base is
-refused with one line. Files are written under temporary names and renamed into place.
+refused with one line.
+
+An export is one set: every file is written under a temporary name first, then all are renamed into
+place in one burst, heads.json last (`files.replace_together`); a kill inside the burst leaves a marker
+that readers refuse in one line, so new weights are never loaded under an old config. heads.json records
+the sha256 of the files it goes with; what is derived from the heads (a fitted tree.json, train.evaluate's
+record in heads.json) goes with the export that replaces them, and a tree.json that names other heads'
+hash is ignored with a warning.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import jax
@@ -19,12 +27,12 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file
 
-from clover_jax.io.hf import write_safetensors
+from clover_jax.io.hf import save_safetensors
 from clover_jax.drafters import registry
 from clover_jax.drafters.base import SAVED, DraftIds, Drafter, HeadsConfig
 from clover_jax.drafters.vocab import DraftVocab, ranking, resolve_size
 from clover_jax.errors import CloverError
-from clover_jax.io.files import write_text
+from clover_jax.io.files import check_free_space, check_whole, replace_together, space_errors
 from clover_jax.model.layers import from_stored, stored_parts, to_stored
 from clover_jax.model.llama import Llama
 from clover_jax.trees.static import Tree
@@ -58,34 +66,71 @@ def _stored_params(heads: Drafter, dtype=None) -> dict[str, np.ndarray]:
             for part, array in to_stored(path, np.asarray(jax.device_get(var[...])))}
 
 
+def file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def export_bytes(heads: Drafter, vocab_size: int, dtype=None) -> int:
+    """About how many bytes `save_heads` writes for `heads` stored in `dtype` (None: as they are), for a
+    free-space check before hours of training: the weights, the [vocab_size] token counts and mass, and
+    a margin."""
+    total = 0
+    for _, var in nnx.to_flat_state(nnx.state(heads, SAVED)):
+        array = var[...]
+        floating = dtype is not None and not jnp.issubdtype(array.dtype, jnp.integer)
+        total += array.size * (np.dtype(dtype).itemsize if floating else array.dtype.itemsize)
+    return total + 12 * vocab_size + (1 << 20)
+
+
 def save_heads(heads: Drafter, base: Llama, out_dir: str | Path, extra: dict | None = None,
                token_counts: np.ndarray | None = None, dtype=None, token_mass: np.ndarray | None = None) -> Path:
     """Write the heads and their config (plus `extra` metadata, e.g. training figures) to `out_dir`,
     and the counts of the tokens they were trained to predict (for a draft vocabulary) when given, with
     the base model's probability mass at the same positions (`draft_vocab.probability_mass`) if given.
     `dtype` (e.g. bfloat16, half the bytes of float32 training weights): what the weights are stored
-    in; loading casts them to the base model's."""
+    in; loading casts them to the base model's. The set replaces the one there as a whole (see the
+    module docstring), with the files derived from the old heads; a full disk is one line, the old set
+    left as it was."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_safetensors(_stored_params(heads, dtype), out / WEIGHTS)
+    params = _stored_params(heads, dtype)
+    stats = None
     if token_counts is not None:
         stats = {"counts": np.asarray(token_counts, np.int64)}
         if token_mass is not None:
             stats["mass"] = np.asarray(token_mass, np.float32)
-        write_safetensors(stats, out / COUNTS)
-    elif (out / COUNTS).exists():  # counts of the heads this export replaces
-        (out / COUNTS).unlink()
-    meta = {"heads": dataclasses.asdict(heads.hcfg), "base_fingerprint": base_fingerprint(base),
-            "base_model_type": base.cfg.model_type, "base_hidden_size": base.cfg.hidden_size,
-            "base_vocab_size": base.cfg.vocab_size, **(extra or {})}
-    write_text(out / CONFIG, json.dumps(meta, indent=2) + "\n")
+    need = sum(a.nbytes for a in params.values()) + sum(a.nbytes for a in (stats or {}).values()) + (1 << 16)
+    check_free_space(out, need, note=" for the heads")
+    # Derived from the heads being replaced, and (without new counts) the old heads' counts.
+    stale = (TREE,) + ((COUNTS,) if stats is None else ())
+    with space_errors(out, need, note=" for the heads"), replace_together(out, (WEIGHTS, COUNTS, CONFIG), stale) as tmp:
+        save_safetensors(params, tmp[WEIGHTS])
+        hashes = {WEIGHTS: file_sha256(tmp[WEIGHTS])}
+        if stats is not None:
+            save_safetensors(stats, tmp[COUNTS])
+            hashes[COUNTS] = file_sha256(tmp[COUNTS])
+        meta = {"heads": dataclasses.asdict(heads.hcfg), "base_fingerprint": base_fingerprint(base),
+                "base_model_type": base.cfg.model_type, "base_hidden_size": base.cfg.hidden_size,
+                "base_vocab_size": base.cfg.vocab_size, **(extra or {}), "sha256": hashes}
+        tmp[CONFIG].write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     return out
+
+
+def heads_sha256(heads_dir: str | Path) -> str:
+    """The sha256 of the heads' weights file: as heads.json records it, or (heads exported before it
+    did) of the file itself. What ties a fitted tree to the heads it was fitted to."""
+    recorded = (read_heads_config(heads_dir).get("sha256") or {}).get(WEIGHTS)
+    return recorded if isinstance(recorded, str) else file_sha256(Path(heads_dir) / WEIGHTS)
 
 
 def read_heads_config(heads_dir: str | Path) -> dict:
     """The parsed `heads.json` of a heads directory (method, head count, base model fingerprint), or a
     one-line error saying what is missing or malformed."""
     path = Path(heads_dir) / CONFIG
+    check_whole(heads_dir, "heads")
     if not path.is_file():
         raise CloverError(f"{heads_dir}: no {CONFIG}; point --heads at a directory written by train.train")
     try:
@@ -118,15 +163,36 @@ def held_out_chain_tau(heads_dir: str | Path | None) -> list[float] | None:
 def load_fitted_tree(heads_dir: str | Path | None, num_heads: int) -> Tree | None:
     """The static tree fitted to the heads in `heads_dir` (its tree.json, written by `train.evaluate
     --fit-tree N --record`), which `--tree default` drafts in place of the method's paper tree; None for
-    heads without one, or no directory (random heads)."""
-    path = None if heads_dir is None else Path(heads_dir) / TREE
-    return Tree.from_file(str(path), num_heads) if path is not None and path.is_file() else None
+    heads without one, or no directory (random heads), and, with a one-line warning, for a tree.json
+    fitted to other heads than these (it names their hash)."""
+    if heads_dir is None:
+        return None
+    check_whole(heads_dir, "heads")
+    path = Path(heads_dir) / TREE
+    if not path.is_file():
+        return None
+    tree = Tree.from_file(str(path), num_heads)
+    fitted_to = json.loads(path.read_text(encoding="utf-8"))
+    fitted_to = fitted_to.get("heads_sha256") if isinstance(fitted_to, dict) else None
+    if fitted_to is not None and fitted_to != heads_sha256(heads_dir):
+        print(f"warning: {path} was fitted to other heads than the ones now in {heads_dir}; ignoring it (fit "
+              "again with train.evaluate --fit-tree N --record)", file=sys.stderr)
+        return None
+    return tree
+
+
+def save_fitted_tree(heads_dir: str | Path, tree: Tree, **about) -> Path:
+    """Write `tree` as the heads' tree.json, with the hash of the heads it was fitted to."""
+    path = Path(heads_dir) / TREE
+    tree.to_file(path, **about, heads_sha256=heads_sha256(heads_dir))
+    return path
 
 
 def load_token_stats(heads_dir: str | Path, vocab_size: int) -> dict[str, np.ndarray]:
     """The [V] arrays saved beside the heads: "counts" (greedy token counts) and, for heads exported
     since, "mass" (the base model's probability mass); empty when the heads carry none."""
     path = Path(heads_dir) / COUNTS
+    check_whole(heads_dir, "heads")
     if not path.is_file():
         return {}
     try:

@@ -157,15 +157,19 @@ def _read_qkv(tensors: list, index: tuple, shape: tuple[int, ...], transpose: bo
     return fused[(..., index[-2], index[-1])]
 
 
+def save_safetensors(tensors: dict[str, np.ndarray], path: Path, metadata: dict | None = None) -> None:
+    """Write a safetensors file at `path` itself, readable as any new file is: safetensors creates its
+    files owner-only (0600), which would hide exported weights from the other users of a shared machine."""
+    save_file(tensors, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def write_safetensors(tensors: dict[str, np.ndarray], path: Path, metadata: dict | None = None) -> None:
-    """Write a safetensors file atomically (a temporary name, renamed into place), readable as any new
-    file is: safetensors creates its files owner-only (0600), which would hide exported weights from
-    the other users of a shared machine."""
+    """`save_safetensors`, atomically (a temporary name, renamed into place)."""
     with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata=metadata)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        save_safetensors(tensors, tmp, metadata)
 
 
 def save_pretrained(model: Llama, out_dir: str | Path, dtype=jnp.bfloat16,
