@@ -9,6 +9,7 @@ change with the seed or when examples are appended.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -18,7 +19,8 @@ import numpy as np
 from clover_jax.io.heads_dir import base_fingerprint
 import cli
 from clover_jax.errors import CloverError
-from clover_jax.io.files import atomic_path, temporary_name
+from clover_jax.io.files import (allocated_bytes, atomic_path, check_free_space, preallocate, recover_dir, replace_dir,
+                                 temporary_name, write_text)
 from clover_jax.model.llama import Llama
 
 # The files `train.make_data` writes; meta.json is written last, so without it a dataset is unfinished.
@@ -30,19 +32,77 @@ MAKERS = ("train.make_data", "train.merge_data")  # what a dataset's meta.json m
 HIDDEN_DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
 
-def prepare_dataset_dir(out: Path) -> None:
-    """Make `out` ready for a new dataset: refuse a directory holding anything else, and remove an
-    old dataset's meta.json first, so an interrupted run never leaves old and new files looking whole.
-    An interrupted hidden-state pass (`PARTIAL`) is kept for make_data to resume."""
-    cli.check_output_dir(out, "--out")
-    out.mkdir(parents=True, exist_ok=True)
-    ours = (META,) + FILES + tuple(temporary_name(name).name for name in (META,) + FILES)  # meta.json goes first
-    foreign = sorted(p.name for p in out.iterdir() if p.name not in ours + PARTIAL)
+def staging_dir(out: str | Path) -> Path:
+    """Where the dataset for `out` is built before it takes out's place: the sibling OUT.building."""
+    out = Path(out).resolve()
+    return out.with_name(out.name + ".building")
+
+
+def _check_ours(folder: Path, allowed: tuple[str, ...]) -> None:
+    foreign = sorted(p.name for p in folder.iterdir() if p.name not in allowed) if folder.is_dir() else []
     if foreign:
-        raise CloverError(f"{out}: holds {foreign[0]}, which is not part of a dataset; choose an empty or "
+        raise CloverError(f"{folder}: holds {foreign[0]}, which is not part of a dataset; choose an empty or "
                           "new --out directory")
-    for name in ours:
-        (out / name).unlink(missing_ok=True)
+
+
+def prepare_dataset_dir(out: Path) -> Path:
+    """Check that `out` may take a new dataset (refusing a folder that holds anything else) and return
+    the folder to build it in (`staging_dir`), emptied of what a killed run left there. Nothing in `out`
+    is removed: an old dataset stays whole, and in use, until `install_dataset` swaps the new one in, so a
+    run refused, interrupted or out of space on the way leaves it as it was. An interrupted hidden-state
+    pass (`PARTIAL`, kept in `out` beside the old set, where no reader takes it for dataset files) stays
+    for make_data to resume."""
+    cli.check_output_dir(out, "--out")
+    out = Path(out).resolve()
+    recover_dir(out)  # a swap killed between its two renames
+    ours = (META,) + FILES + tuple(temporary_name(name).name for name in (META,) + FILES)
+    _check_ours(out, ours + PARTIAL)
+    staging = staging_dir(out)
+    _check_ours(staging, ours)
+    shutil.rmtree(staging, ignore_errors=True)
+    return staging
+
+
+def install_dataset(staging: Path, out: Path) -> None:
+    """Put the finished dataset in `staging` in `out`'s place, removing the old one (and what is left
+    of the hidden-state pass) only now."""
+    replace_dir(staging, Path(out).resolve())
+
+
+def write_dataset(staging: Path, out: Path, tokens: np.ndarray, offsets: np.ndarray, loss_mask: np.ndarray,
+                  meta: dict) -> None:
+    """Write the arrays and meta.json (last) into `staging`, beside any hidden states already there,
+    and swap the finished dataset into `out` (`install_dataset`)."""
+    save_array(staging / "tokens.npy", tokens)
+    save_array(staging / "offsets.npy", offsets)
+    save_array(staging / "loss_mask.npy", loss_mask)
+    write_text(staging / META, json.dumps(meta, indent=2) + "\n")
+    install_dataset(staging, out)
+
+
+def dataset_bytes(num_tokens: int, num_examples: int, hidden_row_bytes: int = 0) -> int:
+    """The bytes of a dataset's files: tokens, loss mask and offsets, and `hidden_row_bytes` of hidden
+    states (and features) per token."""
+    return num_tokens * (4 + 1 + hidden_row_bytes) + 8 * (num_examples + 1) + (1 << 16)
+
+
+def check_dataset_room(out: Path, need: int) -> str:
+    """Refuse, before the dataset is written, one of `need` bytes that out's file system has no room for
+    (an interrupted hidden-state pass's files are counted as room: they are reused or replaced); returns
+    the note `files.space_errors` gives a full disk met later anyway."""
+    out = Path(out).resolve()
+    note = " for the new dataset" + (" (the old one stays until the new one is whole)" if (out / META).is_file()
+                                     else "")
+    check_free_space(out.parent, need - sum(allocated_bytes(out / name) for name in PARTIAL), note)
+    return note
+
+
+def new_memmap(path: Path, dtype, shape: tuple[int, ...]) -> np.memmap:
+    """A new .npy file at `path` of `shape`, memory-mapped for writing, with its blocks allocated up
+    front (`files.preallocate`): a full disk is an error here, not a SIGBUS mid-pass."""
+    array = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+    preallocate(path)
+    return array
 
 
 def save_array(path: Path, array: np.ndarray) -> None:

@@ -30,10 +30,11 @@ The output directory (`train.data.HeadDataset` reads it):
                  middle and high decoder layers EAGLE-3 drafts from (`model.low_mid_high`), from the
                  same forward; meta.json's feature_layers names them
   meta.json      written last, so a directory without it is not a finished dataset
-Every file is written under a temporary name and renamed into place. The hidden states fill
-hidden.npy.partial (and features.npy.partial) in place, hidden-progress.json recording every minute how
-many batches are done: a run killed during that pass, run again with the same examples and settings,
-goes on from there.
+The dataset is built in the sibling folder OUT.building and swapped into OUT when whole: a dataset
+already in OUT stays whole until then, whether the run is refused, interrupted or out of disk. The
+hidden states fill hidden.npy.partial (and features.npy.partial, allocated up front so a full disk is
+one error line) in OUT, hidden-progress.json recording every minute how many batches are done: a run
+killed during that pass, run again with the same examples and settings, goes on from there.
 """
 
 from __future__ import annotations
@@ -62,14 +63,15 @@ from clover_jax.model.config import ModelConfig
 from clover_jax.io.hf import load_pretrained
 from clover_jax.engine.decode import BUCKETS, Generator, bucket_for, to_host
 from clover_jax.errors import CloverError
-from clover_jax.io.files import write_text
+from clover_jax.io.files import preallocate, space_errors, write_text
 from clover_jax.model.llama import Llama, causal_self_mask, low_mid_high
 from clover_jax.engine.sampling import SamplingConfig
 from clover_jax.model.sharding import put_batch
 import cli
 from cli.conversation import answer_turns, encode_conversation, masked_ids, record_turns
 from train.answers import AnswerStore
-from train.data import HIDDEN_DTYPES, META, PARTIAL, prepare_dataset_dir, save_array
+from train.data import (HIDDEN_DTYPES, PARTIAL, check_dataset_room, dataset_bytes, new_memmap, prepare_dataset_dir,
+                        write_dataset)
 from clover_jax.io import tokenization
 
 SAVE_EVERY_S = 60.0  # how often the hidden-state pass records how far it got
@@ -300,6 +302,8 @@ def open_partial(out: Path, key: str, shapes: list[tuple[int, ...]], dtype) -> t
     try:
         saved = json.loads(record.read_text())
         if saved["key"] == key:
+            for p in paths:  # blocks for a pass that a sparse file was started for
+                preallocate(p)
             arrays = [np.lib.format.open_memmap(p, mode="r+") for p in paths]
             # bfloat16 comes back as the raw 2-byte records .npy stores it as
             arrays = [a.view(dtype) if a.dtype.kind == "V" and a.dtype.itemsize == dtype.itemsize else a
@@ -309,13 +313,13 @@ def open_partial(out: Path, key: str, shapes: list[tuple[int, ...]], dtype) -> t
     except (OSError, ValueError, KeyError, TypeError):
         pass
     record.unlink(missing_ok=True)
-    return [np.lib.format.open_memmap(p, mode="w+", dtype=dtype, shape=s) for p, s in zip(paths, shapes)], 0
+    return [new_memmap(p, dtype, s) for p, s in zip(paths, shapes)], 0
 
 
-def store_hidden(model: Llama, tokens: np.ndarray, offsets: np.ndarray, out: Path, dtype_name: str,
+def store_hidden(model: Llama, tokens: np.ndarray, offsets: np.ndarray, out: Path, staging: Path, dtype_name: str,
                  feature_layers: tuple[int, ...], fingerprint: str, args, max_len: int, mesh=None,
                  buckets: Sequence[int] | None = None) -> None:
-    """hidden.npy (and features.npy) in `out`, resumable: the arrays fill in place under PARTIAL names, and
+    """hidden.npy (and features.npy) in `staging`, resumable: the arrays fill in place under PARTIAL names in `out`, and
     every SAVE_EVERY_S the batches done so far are recorded (after a flush), so a killed run picks up at
     its last record rather than from the start (SmolLM2's 800 longest ShareGPT conversations take two
     hours on a 2-core CPU). Renamed into place when whole."""
@@ -328,6 +332,7 @@ def store_hidden(model: Llama, tokens: np.ndarray, offsets: np.ndarray, out: Pat
     for array in (tokens, offsets):
         digest.update(np.ascontiguousarray(array).tobytes())
     key = digest.hexdigest()
+    out.mkdir(parents=True, exist_ok=True)
     arrays, start = open_partial(out, key, shapes, HIDDEN_DTYPES[dtype_name])
     if start:
         print(f"resuming the hidden states after batch {start}, where an earlier run stopped", file=sys.stderr)
@@ -347,8 +352,9 @@ def store_hidden(model: Llama, tokens: np.ndarray, offsets: np.ndarray, out: Pat
     for array in arrays:
         array.flush()
     arrays.clear()  # the maps closed before their files are renamed
+    staging.mkdir(parents=True, exist_ok=True)
     for partial, name in zip(PARTIAL[: len(shapes)], ("hidden.npy", "features.npy")):
-        os.replace(out / partial, out / name)
+        os.replace(out / partial, staging / name)
     for name in PARTIAL:  # the record, and a features array an earlier run's settings left
         (out / name).unlink(missing_ok=True)
 
@@ -488,7 +494,7 @@ def make_data(args: argparse.Namespace) -> int:
     mesh = cli.mesh_of(args)
     _, model = load_pretrained(base_dir, dtype=DTYPES[args.dtype], mesh=mesh)
     out = Path(args.out)
-    prepare_dataset_dir(out)
+    staging = prepare_dataset_dir(out)
     if args.mode == "self":
         systems = [cli.prompt_system(r.system, args.chat, args.system) for _, r in records]
         gen = Generator(model, max_len=max_len, mesh=mesh, buckets=buckets)
@@ -514,23 +520,22 @@ def make_data(args: argparse.Namespace) -> int:
     hidden_dtype = None if args.store_hidden == "none" else args.store_hidden
     feature_layers = low_mid_high(cfg.num_layers) if args.store_features else ()
     fingerprint = base_fingerprint(model)
-    if hidden_dtype:
-        store_hidden(model, tokens, offsets, out, hidden_dtype, feature_layers, fingerprint, args, max_len, mesh,
-                     buckets if args.buckets else None)
-    save_array(out / "tokens.npy", tokens)
-    save_array(out / "offsets.npy", offsets)
-    save_array(out / "loss_mask.npy", mask)
-    meta = {"base_fingerprint": fingerprint, "vocab_size": cfg.vocab_size,
+    row = 0 if hidden_dtype is None else (1 + len(feature_layers)) * cfg.hidden_size * HIDDEN_DTYPES[hidden_dtype].itemsize
+    need = dataset_bytes(len(tokens), len(examples), row)
+    with space_errors(out.resolve().parent, need, check_dataset_room(out, need)):
+        if hidden_dtype:
+            store_hidden(model, tokens, offsets, out, staging, hidden_dtype, feature_layers, fingerprint, args, max_len,
+                         mesh, buckets if args.buckets else None)
+        write_dataset(staging, out, tokens, offsets, mask, {
+            "base_fingerprint": fingerprint, "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.hidden_size, "num_examples": len(examples), "num_tokens": int(len(tokens)),
             "num_response_tokens": int(mask.sum()), "mode": args.mode, "max_len": max_len,
             "hidden_dtype": hidden_dtype, "feature_layers": list(feature_layers) or None, "prompts_file": str(args.prompts), "created_by": "train.make_data",
             "chat": args.chat, "chat_template": args.chat_template, "system": args.system,
             "turns": "all" if all_turns else "first", "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature, "seed": args.seed, "first": args.first,
-            "buckets": list(buckets) if args.buckets else None}
-    write_text(out / META, json.dumps(meta, indent=2) + "\n")
-    print(f"wrote {len(examples)} examples ({len(tokens)} tokens, {meta['num_response_tokens']} in responses) "
-          f"to {out}")
+            "buckets": list(buckets) if args.buckets else None})
+    print(f"wrote {len(examples)} examples ({len(tokens)} tokens, {int(mask.sum())} in responses) to {out}")
     return 0
 
 

@@ -12,8 +12,6 @@ example's index (`train.data`), so the first dataset's held-out examples stay he
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import sys
 from pathlib import Path
 
@@ -22,8 +20,8 @@ from tqdm import tqdm
 
 import cli
 from clover_jax.errors import CloverError
-from clover_jax.io.files import atomic_path, write_text
-from train.data import META, HeadDataset, prepare_dataset_dir, save_array
+from clover_jax.io.files import space_errors
+from train.data import HeadDataset, check_dataset_room, dataset_bytes, new_memmap, prepare_dataset_dir, write_dataset
 
 SHARED = ("base_fingerprint", "vocab_size", "hidden_size", "hidden_dtype")  # every part must agree on these
 
@@ -42,7 +40,7 @@ def merge(parts: list[str | Path], out: str | Path) -> dict:
     out = Path(out)
     if any(out.resolve() == Path(p).resolve() for p in parts):
         raise CloverError(f"--out {out} is one of the datasets to merge; choose a new directory")
-    prepare_dataset_dir(out)
+    staging = prepare_dataset_dir(out)
     layers = {d.feature_layers for d in sets}
     keep_features = len(layers) == 1 and bool(sets[0].feature_layers)
     if len(layers) > 1:
@@ -53,25 +51,23 @@ def merge(parts: list[str | Path], out: str | Path) -> dict:
     starts = np.cumsum([0] + [len(d.tokens) for d in sets])
     offsets = np.concatenate([[0]] + [d.offsets[1:] + s for d, s in zip(sets, starts)]).astype(np.int64)
     first = sets[0]
-    if first.hidden is not None:
-        with contextlib.ExitStack() as stack:  # each file renamed into place only when all are written
-            for name in ("hidden", "features") if keep_features else ("hidden",):
-                arrays = [getattr(d, name) for d in sets]  # the datasets' own memory maps, as make_data writes them
-                tmp = stack.enter_context(atomic_path(out / f"{name}.npy"))
-                joined = np.lib.format.open_memmap(tmp, mode="w+", dtype=arrays[0].dtype,
-                                                   shape=(len(tokens),) + arrays[0].shape[1:])
-                for part, s in zip(tqdm(arrays, desc=f"merge {name}", unit="dataset", dynamic_ncols=True), starts):
-                    joined[s: s + len(part)] = part
-                joined.flush()
-                del joined
-    save_array(out / "tokens.npy", tokens)
-    save_array(out / "offsets.npy", offsets)
-    save_array(out / "loss_mask.npy", mask)
-    meta = {key: first.meta[key] for key in SHARED}
-    meta.update(num_examples=len(offsets) - 1, num_tokens=len(tokens), num_response_tokens=int(mask.sum()),
-                mode="merged", feature_layers=list(first.feature_layers) if keep_features else None,
-                created_by="train.merge_data", parts=[{"path": str(d.path), **d.meta} for d in sets])
-    write_text(out / META, json.dumps(meta, indent=2) + "\n")
+    names = (("hidden", "features") if keep_features else ("hidden",)) if first.hidden is not None else ()
+    row = sum(getattr(first, name)[0].nbytes for name in names)
+    need = dataset_bytes(len(tokens), len(offsets) - 1, row)
+    with space_errors(Path(out).resolve().parent, need, check_dataset_room(out, need)):
+        for name in names:
+            arrays = [getattr(d, name) for d in sets]  # the datasets' own memory maps, as make_data writes them
+            staging.mkdir(parents=True, exist_ok=True)
+            joined = new_memmap(staging / f"{name}.npy", arrays[0].dtype, (len(tokens),) + arrays[0].shape[1:])
+            for part, s in zip(tqdm(arrays, desc=f"merge {name}", unit="dataset", dynamic_ncols=True), starts):
+                joined[s: s + len(part)] = part
+            joined.flush()
+            del joined
+        meta = {key: first.meta[key] for key in SHARED}
+        meta.update(num_examples=len(offsets) - 1, num_tokens=len(tokens), num_response_tokens=int(mask.sum()),
+                    mode="merged", feature_layers=list(first.feature_layers) if keep_features else None,
+                    created_by="train.merge_data", parts=[{"path": str(d.path), **d.meta} for d in sets])
+        write_dataset(staging, out, tokens, offsets, mask, meta)
     return meta
 
 
@@ -97,4 +93,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit(main())
