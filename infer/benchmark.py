@@ -64,7 +64,9 @@ the whole vocabulary; see --draft-vocab). tau = tokens per forward pass of the b
 included; plain = 1.00); accept@d = share of steps that accepted at least d drafted tokens; speedup =
 tokens/s over plain decoding's at the same batch size in this run; compile s = seconds spent compiling,
 each new program's first (set-up) run included; compiles = programs compiled over the prompt set (the
-bucket count is the most it should be). The bandwidth line divides the bytes a plain decoding step reads
+bucket count is the most it should be); same text = of a greedy row's prompts, those whose text is plain
+decoding's at the same batch size (at N, first M: the median and earliest token index at which the others
+first parted; the summary says how near a tie the base model's two tokens were there). The bandwidth line divides the bytes a plain decoding step reads
 (weights + KV) by its time, the decoding loop timed apart from the prefill, over the first 8 prompts
 at batch 1, and compares that with streaming reads the benchmark takes between the prompts of the same
 passes (the median over passes of each pass's ratio). With --hf, rows `hf-generate` (transformers
