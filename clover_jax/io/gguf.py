@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import sys
 from pathlib import Path
 
@@ -269,20 +270,51 @@ def _remember_hash(cache: Path, path: Path, digest: str) -> None:
             write_text(index_path, json.dumps(known, indent=1) + "\n")
 
 
+def _tmp_suffix() -> str:
+    """What names a conversion's temporary folder as this process's: the host (a cache may be shared
+    between machines, whose process ids mean nothing here) and the process id."""
+    return f".tmp-{socket.gethostname()}-{os.getpid()}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_dead_conversions(folder: Path) -> None:
+    """Remove the temporary folders (`gguf-*.tmp-HOST-PID`, or `.tmp-PID` as earlier runs named them) that
+    conversions killed on this machine left in `folder`: a converted 8B model is tens of GB. A folder
+    whose process still runs, or that another machine's process made, is left alone."""
+    host = socket.gethostname()
+    for tmp in folder.glob("gguf-*.tmp-*"):
+        owner = tmp.name.rsplit(".tmp-", 1)[1]
+        maker, _, pid = owner.rpartition("-")
+        if pid.isdigit() and maker in ("", host) and not _alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def gguf_checkpoint(path: str | Path, cache: Path) -> Path:
     """The checkpoint directory of a GGUF file, converted on first use into the cache (models/gguf-<sha256>)
     and reused after. The directory is written under a temporary name and renamed into place whole, so
-    an interrupted or refused conversion leaves nothing behind."""
+    an interrupted or refused conversion leaves nothing behind; what a killed one left is removed by the
+    next call (`remove_dead_conversions`)."""
     path = Path(path)
     if not path.is_file():
         raise CloverError(f"{path}: no such GGUF file")
     digest = file_sha256(path, cache)
     target = cache / "models" / f"gguf-{digest[:24]}"
+    if target.parent.is_dir():
+        remove_dead_conversions(target.parent)
     if (target / "config.json").is_file():
         _remember_hash(cache, path, digest)
         return target
     _gguf()  # a missing gguf package is the one line, before a word about converting
-    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    tmp = target.with_name(target.name + _tmp_suffix())
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         print(f"converting {path.name} to a checkpoint in {target} (once)", file=sys.stderr, flush=True)
