@@ -107,7 +107,7 @@ def noisy_heads(base, method: str):
 def sample_tokens(base, method: str, sampling: SamplingConfig, tree: str = TREE, draft_vocab: int = 0,
                   step_cost: float | None = None) -> np.ndarray:
     """Samples of the first NEW tokens; with `draft_vocab`, the heads draft from the first that many ids;
-    with `step_cost`, the loop paces its drafting by it (`speculative.speculate_now`)."""
+    with `step_cost`, the loop paces its drafting by it (`pacing.speculate_now`)."""
     if method == "table":
         heads = table_heads(base)
     else:

@@ -27,7 +27,8 @@ from clover_jax.errors import CloverError
 from clover_jax.drafters.heads import Heads, HeadsConfig, make_heads
 from clover_jax.model.llama import Llama
 from clover_jax.engine.sampling import SamplingConfig
-from clover_jax.engine.speculative import PROBE_EVERY, SpeculativeGenerator, accept_greedy, accept_sample, compact
+from clover_jax.engine.pacing import PROBE_EVERY
+from clover_jax.engine.speculative import SpeculativeGenerator, accept_greedy, accept_sample, compact
 from clover_jax.trees.dynamic import DynamicTree
 from clover_jax.trees.static import Tree, chain
 from clover_jax.trees.spec import resolve_tree
@@ -187,7 +188,7 @@ def check_run(out, want, prompts, budgets, ref, fresh, gen):
             assert out.tokens[b][-1] == ref.eos or n == budgets[b]
         assert lengths[b] == len(prompt) + committed[b]
         cont = ref.free[PROMPTS.index(prompt)]
-        k, v, aug, context = fresh(prompt + cont[: committed[b]], cont[committed[b]], gen.heads)
+        k, v, aug, context = fresh(prompt + cont[: committed[b]], cont[committed[b]], gen.drafter)
         np.testing.assert_allclose(np.stack(state.plain.cache.k)[:, b, :, : lengths[b]], k, atol=1e-5)
         np.testing.assert_allclose(np.stack(state.plain.cache.v)[:, b, :, : lengths[b]], v, atol=1e-5)
         assert (aug is None) == (state.draft.aug_cache is None)

@@ -12,14 +12,10 @@ One step, all static shapes (N tree nodes, depth D, B sequences):
    rejected tokens).
 Each sequence accepts its own number of tokens; the loop stops per sequence at EOS or its budget.
 
-Pacing (`step_cost`): where a speculative step costs more than a plain one (a CPU, where each verified
-row costs compute), drafting pays only while enough drafts are accepted. Given that cost (in plain
-steps), the loop keeps a running mean of the drafts accepted per speculative step and takes a plain step
-(the root alone: one row, no drafting) whenever 1 + that mean falls short of the cost, with a
-speculative step every PROBE_EVERY plain steps to see whether drafts pay again. The choice depends only
-on earlier steps, so each step's token keeps plain decoding's distribution either way. A plain step
-costs what plain decoding's does: what it commits waits (`SpecState.pending`) and reaches the drafter
-in one `commit` before the next speculative step.
+Pacing (`pacing`): given a step cost, where a speculative step costs more than a plain one (a CPU),
+the loop takes plain steps while the drafts accepted lately do not pay for it. The pacer owns those
+steps and runs the loop; the step above only reports the drafts it accepted. Without a step cost every
+step drafts, and the program holds nothing of pacing.
 """
 
 from __future__ import annotations
@@ -32,10 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from clover_jax.model.cache import KVCache, causal_mask, tree_mask
+from clover_jax.model.cache import KVCache, tree_mask
 from clover_jax.engine.decode import DecodeState, Generator, prefill, stream_tokens, to_host
 from clover_jax.drafters.vocab import DraftVocab
 from clover_jax.drafters.base import Committed, Drafter
+from clover_jax.engine import pacing
 from clover_jax.engine.drafting import StepTree, draft_tree, path_to
 from clover_jax.errors import CloverError
 from clover_jax.model.llama import Llama
@@ -70,24 +67,12 @@ class SpecState:
     draft: object  # the drafter's own state (`Drafter.init`)
     accept_hist: jax.Array  # [B, D + 1] speculative steps that accepted d drafted tokens, per sequence
     node_hits: jax.Array | None  # [B, N] speculative steps whose accepted path holds node i (static trees)
-    plain_steps: jax.Array  # [B] steps a sequence took without drafting (pacing)
-    gain: jax.Array  # [] running mean of drafted tokens accepted per speculative step (pacing)
-    idle: jax.Array  # [] plain steps since the last speculative one (pacing)
-    pending: Committed | None = None  # what plain steps committed since, [B, PROBE_EVERY, ...] (pacing)
-    pending_n: jax.Array | None = None  # [B] how many of those each sequence holds (pacing)
+    pace: pacing.Pace | None  # the pacer's state; None: every step drafts
 
-
-# Pacing (see the module docstring): the running mean's weight on the newest speculative step, and the
-# longest run of plain steps before one speculative step probes whether drafts pay again. A probe that
-# does not pay costs (step_cost - 1) plain steps, so one in 8 costs under 5% where nothing is accepted.
-GAIN_WEIGHT = 0.25
-PROBE_EVERY = 8
-
-
-def speculate_now(s: SpecState, step_cost: float) -> jax.Array:
-    """Whether the next step of a paced loop drafts: while the drafts' recent acceptance pays for the
-    step cost, or to probe after PROBE_EVERY plain steps."""
-    return (1.0 + s.gain >= step_cost) | (s.idle >= PROBE_EVERY)
+    @property
+    def plain_steps(self) -> jax.Array:
+        """[B] steps each sequence took without drafting (pacing's); zero when every step drafts."""
+        return jnp.zeros_like(self.plain.num_new) if self.pace is None else self.pace.plain_steps
 
 
 def accept_greedy(st: StepTree, tokens: jax.Array, logits: jax.Array, max_depth: int):
@@ -172,9 +157,10 @@ def generate_speculative(graphdefs: SpecGraph, params: SpecParams, prompts, prom
                          cache_len: int, mesh=None, stream=None, step_cost: float | None = None) -> SpecState:
     """Speculative generation as one pure function (jit with the keyword args static); stream: a host
     callback given the tokens after each step (`decode.stream_tokens`); step_cost: a speculative step's
-    cost in plain steps, to pace drafting by (the module docstring), or None to draft at every step."""
+    cost in plain steps, to pace drafting by (`pacing`), or None to draft at every step."""
     base = nnx.merge(graphdefs.base, params.base)
     drafter: Drafter = nnx.merge(graphdefs.drafter, params.drafter)
+    pacer = pacing.pacer(step_cost, base, drafter, sampling=sampling, cache_len=cache_len)
     b, depth = prompts.shape[0], tree.max_depth
     rows = jnp.arange(b)
     layers = drafter.feature_layers
@@ -183,22 +169,16 @@ def generate_speculative(graphdefs: SpecGraph, params: SpecParams, prompts, prom
     # The drafter's context over the prompt: position t is paired with token t+1 (the root for the last).
     following = jnp.concatenate([prompts[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
     following = following.at[rows, prompt_lens - 1].set(root)
+    prompt = Committed(out.hidden, out.hidden_normed, following, out.features)
     draft = drafter.init(base, b, cache_len, mesh)
-    draft = drafter.commit(base, draft, Committed(out.hidden, out.hidden_normed, following, out.features),
-                           prompt_lens, jnp.ones((b,), bool))
+    draft = drafter.commit(base, draft, prompt, prompt_lens, jnp.ones((b,), bool))
     plain = DecodeState(
         cache=out.cache, tokens=jnp.zeros((b, max_new + depth + 1), jnp.int32), num_new=jnp.zeros((b,), jnp.int32),
         last=root, done=budgets <= 0, finite=jnp.isfinite(logits).all(-1), keys=keys, step=jnp.zeros((), jnp.int32))
     state = SpecState(plain=plain.append(root[:, None], jnp.ones((b,), jnp.int32), budgets, eos_ids), draft=draft,
                       accept_hist=jnp.zeros((b, depth + 1), jnp.int32),
                       node_hits=None if isinstance(tree, DynamicTree) else jnp.zeros((b, tree.num_nodes), jnp.int32),
-                      plain_steps=jnp.zeros((b,), jnp.int32),
-                      gain=jnp.asarray(0.0 if step_cost is None else step_cost - 1.0, jnp.float32),
-                      idle=jnp.zeros((), jnp.int32))
-    if step_cost is not None:
-        slots = lambda x: None if x is None else jnp.zeros((b, PROBE_EVERY, *x.shape[2:]), x.dtype)
-        state = state.replace(pending=Committed(slots(out.hidden), slots(out.hidden_normed), slots(following),
-                                                slots(out.features)), pending_n=jnp.zeros((b,), jnp.int32))
+                      pace=pacer.start(prompt))
     ranks = (tree.beam,) * depth if isinstance(tree, DynamicTree) else tree.max_rank
 
     def cond(s: SpecState):
@@ -207,12 +187,14 @@ def generate_speculative(graphdefs: SpecGraph, params: SpecParams, prompts, prom
     def advance(s: SpecState, cache: KVCache, bonus, emitted, count, logits) -> SpecState:
         """Record a step whose K/V sit at the cache's first `count` [B] new slots, which emits count
         tokens `emitted` [B, P] (the accepted drafts, then the `bonus` token, the next root), `logits`
-        [B, V] its bonus token's."""
+        [B, V] its bonus token's; the step's last act, so the tokens are streamed here."""
         p = s.plain
         live = ~p.done
         p = p.replace(cache=cache.advance(jnp.where(live, count, 0)), last=jnp.where(live, bonus, p.last),
                       step=p.step + 1, finite=p.finite & (jnp.isfinite(logits).all(-1) | p.done))
-        return s.replace(plain=p.append(emitted, count, budgets, eos_ids))
+        s = s.replace(plain=p.append(emitted, count, budgets, eos_ids))
+        stream_tokens(stream, s.plain, mesh)
+        return s
 
     def speculative_step(s: SpecState) -> SpecState:
         p = s.plain
@@ -237,53 +219,12 @@ def generate_speculative(graphdefs: SpecGraph, params: SpecParams, prompts, prom
         hist = s.accept_hist + jax.nn.one_hot(accepted, depth + 1, dtype=jnp.int32) * live[:, None]
         if s.node_hits is not None:  # the accepted path's nodes, root included
             s = s.replace(node_hits=s.node_hits + (st.at(st.ancestors, best) & live[:, None]).astype(jnp.int32))
-        mean = jnp.sum(jnp.where(live, accepted, 0)) / jnp.maximum(jnp.sum(live), 1)
         s = s.replace(draft=drafter.commit(base, draft, new, count, live), accept_hist=hist,
-                      gain=(1 - GAIN_WEIGHT) * s.gain + GAIN_WEIGHT * mean, idle=jnp.zeros((), jnp.int32))
+                      pace=pacer.update(s.pace, accepted, live))
         path_logits = jnp.take_along_axis(out.logits, best[:, None, None], axis=1)[:, 0]
         return advance(s, compact(out.cache, path), bonus, emitted, count, path_logits)
 
-    def plain_step(s: SpecState) -> SpecState:
-        """The root alone through the base model, a plain decoding step; what it commits waits in
-        `pending` for the drafter (`flush`)."""
-        p = s.plain
-        c = p.cache
-        out = base(p.last[:, None], c.lengths[:, None], causal_mask(c.lengths, 1, cache_len), c,
-                   feature_layers=layers)
-        bonus = sample(out.logits[:, 0], use_keys(step_keys(p.keys, p.step + 1), BONUS), sampling)
-        live = ~p.done
-        at = jnp.where(live, s.pending_n, PROBE_EVERY)  # a finished sequence's row is dropped
-        put = lambda buf, x: None if buf is None else buf.at[rows, at].set(x[:, 0], mode="drop")
-        q = s.pending
-        pending = Committed(put(q.hidden, out.hidden), put(q.hidden_normed, out.hidden_normed),
-                            put(q.tokens, bonus[:, None]), put(q.features, out.features))
-        s = s.replace(pending=pending, pending_n=s.pending_n + live, plain_steps=s.plain_steps + live,
-                      idle=s.idle + 1)
-        return advance(s, out.cache, bonus, bonus[:, None], jnp.ones((b,), jnp.int32), out.logits[:, 0])
-
-    def flush(s: SpecState) -> SpecState:
-        """Hand the drafter what plain steps committed since the last speculative step, in one commit."""
-        n = s.pending_n
-        return s.replace(draft=drafter.commit(base, s.draft, s.pending, n, n > 0), pending_n=jnp.zeros_like(n))
-
-    def streamed(step):
-        def body(s: SpecState):
-            s = step(s)
-            stream_tokens(stream, s.plain, mesh)
-            return s
-        return body
-
-    if step_cost is None:
-        return jax.lax.while_loop(cond, streamed(speculative_step), state)
-
-    # Paced: runs of speculative steps and runs of plain steps, each a loop of its own. (A `lax.cond`
-    # between the two steps made XLA copy the whole KV cache in and out of the branch at every step.)
-    # At most PROBE_EVERY plain steps pass between two speculative ones, so `pending` holds them all.
-    def run(drafting: bool):
-        keep = lambda s: cond(s) & (speculate_now(s, step_cost) == drafting)
-        return lambda s: jax.lax.while_loop(keep, streamed(speculative_step if drafting else plain_step), s)
-
-    return flush(jax.lax.while_loop(cond, lambda s: run(False)(run(True)(flush(s))), state))
+    return pacer.loop(cond, speculative_step, advance, state)
 
 
 class SpeculativeGenerator(Generator):
@@ -291,26 +232,26 @@ class SpeculativeGenerator(Generator):
     speculative sampling; the drafter scores the whole vocabulary or a draft vocabulary
     (`draft_vocab.DraftVocab`)."""
 
-    def __init__(self, model: Llama, heads: Drafter, tree: Tree | DynamicTree, *,
+    def __init__(self, model: Llama, drafter: Drafter, tree: Tree | DynamicTree, *,
                  draft_vocab: DraftVocab | None = None, step_cost: float | None = None, **kwargs):
         super().__init__(model, **kwargs)
         if step_cost is not None and not step_cost > 0:
             raise CloverError(f"step cost {step_cost} must be a positive number of plain steps (or none)")
         self.step_cost = step_cost
-        draft_vocab = heads.drafting_vocab(model, draft_vocab)
+        draft_vocab = drafter.drafting_vocab(model, draft_vocab)
         if self.mesh is not None:
-            shard_module(heads, self.mesh)
+            shard_module(drafter, self.mesh)
             if draft_vocab is not None:
                 draft_vocab = place_draft_vocab(draft_vocab, self.mesh)
-        if tree.max_depth > heads.num_heads:
-            raise CloverError(f"tree depth {tree.max_depth} exceeds the {heads.num_heads} draft heads; "
+        if tree.max_depth > drafter.num_heads:
+            raise CloverError(f"tree depth {tree.max_depth} exceeds the {drafter.num_heads} draft heads; "
                               "pick a shallower tree")
-        self.heads = heads
+        self.drafter = drafter
         self.tree = tree
         self.draft_vocab = draft_vocab
-        head_graphdef, head_params = nnx.split(heads)
-        self.graphdef = SpecGraph(self.graphdef, head_graphdef)
-        self.params = SpecParams(self.params, head_params, draft_vocab)
+        drafter_graphdef, drafter_params = nnx.split(drafter)
+        self.graphdef = SpecGraph(self.graphdef, drafter_graphdef)
+        self.params = SpecParams(self.params, drafter_params, draft_vocab)
 
     def _program(self):
         return generate_speculative
@@ -325,5 +266,6 @@ class SpeculativeGenerator(Generator):
     def statistics(self, state: SpecState):
         num, hist = to_host(state.plain.num_new), to_host(state.accept_hist)
         hits = None if state.node_hits is None else to_host(state.node_hits)
+        plain = 0 if state.pace is None else to_host(state.pace.plain_steps)
         # The prefill's forward pass yields each sequence's first token; paced plain steps one each.
-        return state.plain, np.where(num > 0, hist.sum(-1) + to_host(state.plain_steps) + 1, 0), hist, hits
+        return state.plain, np.where(num > 0, hist.sum(-1) + plain + 1, 0), hist, hits

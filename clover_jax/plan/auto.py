@@ -70,7 +70,7 @@ def auto_tree(num_heads: int, backend: str | None = None, chain_tau=None, sampli
 def auto_step_cost(spec: str, backend: str | None = None, sampling: bool = False,
                    cost: ChainCost | None = None) -> float | None:
     """What a step of `spec`, the tree `auto_tree` picked, costs in plain steps on `backend`: the
-    speculative loop paces its drafting by it (`speculative.speculate_now`: plain steps while the drafts
+    speculative loop paces its drafting by it (`pacing.speculate_now`: plain steps while the drafts
     accepted do not pay for it). On a CPU a chain:D step costs `cpu_chain_cost`; on an accelerator the
     paper tree costs about one plain step, so None: draft at every step."""
     kind, _, depth = spec.partition(":")

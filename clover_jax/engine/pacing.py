@@ -1,0 +1,142 @@
+"""Pacing: plain steps while the drafts accepted do not pay for a speculative step's cost.
+
+Where a speculative step costs more than a plain one (a CPU, where each verified row costs compute),
+drafting pays only while enough drafts are accepted. Given that cost (`step_cost`, in plain steps), the
+loop keeps a running mean of the drafts accepted per speculative step and takes a plain step (the root
+alone: one row, no drafting) whenever 1 + that mean falls short of the cost, with a speculative step
+every PROBE_EVERY plain steps to see whether drafts pay again. The choice depends only on earlier
+steps, so each step's token keeps plain decoding's distribution either way. A plain step costs what
+plain decoding's does: what it commits waits (`Pace.pending`) and reaches the drafter in one `commit`
+before the next speculative step.
+
+The speculative loop (`speculative.generate_speculative`) sees a pacer through three calls: `start`
+(its state, `Pace`, or None), `update` (after each speculative step, with the drafts it accepted) and
+`loop` (runs the steps). `Unpaced` drafts at every step and puts nothing in the program; `Paced` owns
+the plain step and the two inner loops. The loop's state is `speculative.SpecState`: a pacer reads and
+replaces its `plain` (`decode.DecodeState`), `draft` (the drafter's state) and `pace` fields only.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from clover_jax.drafters.base import Committed, Drafter
+from clover_jax.engine.sampling import BONUS, SamplingConfig, sample, step_keys, use_keys
+from clover_jax.model.cache import causal_mask
+from clover_jax.model.llama import Llama
+
+# The running mean's weight on the newest speculative step, and the longest run of plain steps before
+# one speculative step probes whether drafts pay again. A probe that does not pay costs (step_cost - 1)
+# plain steps, so one in 8 costs under 5% where nothing is accepted.
+GAIN_WEIGHT = 0.25
+PROBE_EVERY = 8
+
+
+@flax.struct.dataclass
+class Pace:
+    """What a paced loop carries besides the speculative state (B sequences)."""
+
+    gain: jax.Array  # [] running mean of drafted tokens accepted per speculative step
+    idle: jax.Array  # [] plain steps since the last speculative one
+    plain_steps: jax.Array  # [B] steps a sequence took without drafting
+    pending: Committed  # [B, PROBE_EVERY, ...] what plain steps committed since the last speculative step
+    pending_n: jax.Array  # [B] how many of those each sequence holds
+
+
+def speculate_now(pace: Pace, step_cost: float) -> jax.Array:
+    """Whether the next step of a paced loop drafts: while the drafts' recent acceptance pays for the
+    step cost, or to probe after PROBE_EVERY plain steps."""
+    return (1.0 + pace.gain >= step_cost) | (pace.idle >= PROBE_EVERY)
+
+
+class Unpaced:
+    """Drafting at every step: no state, and nothing of pacing in the program."""
+
+    def start(self, like: Committed) -> None:
+        return None
+
+    def update(self, pace: None, accepted: jax.Array, live: jax.Array) -> None:
+        return pace
+
+    def loop(self, cond: Callable, speculative_step: Callable, advance: Callable, state):
+        return jax.lax.while_loop(cond, speculative_step, state)
+
+
+class Paced:
+    """Drafting only while it pays for `step_cost` (the module docstring), plain steps otherwise.
+
+    `advance(s, cache, bonus, emitted, count, logits)` records a step of either kind (the speculative
+    loop's own): here, one plain step's token and K/V."""
+
+    def __init__(self, step_cost: float, base: Llama, drafter: Drafter, *, sampling: SamplingConfig,
+                 cache_len: int):
+        self.step_cost = step_cost
+        self.base = base
+        self.drafter = drafter
+        self.sampling = sampling
+        self.cache_len = cache_len
+
+    def start(self, like: Committed) -> Pace:
+        """The state before the first step: drafting, with empty `pending` slots shaped like `like`
+        (the prompt's commit, [B, P, ...])."""
+        b = like.tokens.shape[0]
+        slots = lambda x: None if x is None else jnp.zeros((b, PROBE_EVERY, *x.shape[2:]), x.dtype)
+        return Pace(gain=jnp.asarray(self.step_cost - 1.0, jnp.float32), idle=jnp.zeros((), jnp.int32),
+                    plain_steps=jnp.zeros((b,), jnp.int32),
+                    pending=Committed(slots(like.hidden), slots(like.hidden_normed), slots(like.tokens),
+                                      slots(like.features)),
+                    pending_n=jnp.zeros((b,), jnp.int32))
+
+    def update(self, pace: Pace, accepted: jax.Array, live: jax.Array) -> Pace:
+        """After a speculative step that accepted `accepted` [B] drafts in the `live` [B] sequences."""
+        mean = jnp.sum(jnp.where(live, accepted, 0)) / jnp.maximum(jnp.sum(live), 1)
+        return pace.replace(gain=(1 - GAIN_WEIGHT) * pace.gain + GAIN_WEIGHT * mean, idle=jnp.zeros((), jnp.int32))
+
+    def plain_step(self, s, advance: Callable):
+        """The root alone through the base model, a plain decoding step; what it commits waits in
+        `pending` for the drafter (`flush`)."""
+        p, pace = s.plain, s.pace
+        c = p.cache
+        out = self.base(p.last[:, None], c.lengths[:, None], causal_mask(c.lengths, 1, self.cache_len), c,
+                        feature_layers=self.drafter.feature_layers)
+        bonus = sample(out.logits[:, 0], use_keys(step_keys(p.keys, p.step + 1), BONUS), self.sampling)
+        b = bonus.shape[0]
+        live = ~p.done
+        at = jnp.where(live, pace.pending_n, PROBE_EVERY)  # a finished sequence's row is dropped
+        put = lambda buf, x: None if buf is None else buf.at[jnp.arange(b), at].set(x[:, 0], mode="drop")
+        q = pace.pending
+        pending = Committed(put(q.hidden, out.hidden), put(q.hidden_normed, out.hidden_normed),
+                            put(q.tokens, bonus[:, None]), put(q.features, out.features))
+        s = s.replace(pace=pace.replace(pending=pending, pending_n=pace.pending_n + live,
+                                        plain_steps=pace.plain_steps + live, idle=pace.idle + 1))
+        return advance(s, out.cache, bonus, bonus[:, None], jnp.ones((b,), jnp.int32), out.logits[:, 0])
+
+    def flush(self, s):
+        """Hand the drafter what plain steps committed since the last speculative step, in one commit."""
+        n = s.pace.pending_n
+        return s.replace(draft=self.drafter.commit(self.base, s.draft, s.pace.pending, n, n > 0),
+                         pace=s.pace.replace(pending_n=jnp.zeros_like(n)))
+
+    def loop(self, cond: Callable, speculative_step: Callable, advance: Callable, state):
+        """Runs of speculative steps and runs of plain steps, each a loop of its own. (A `lax.cond`
+        between the two steps made XLA copy the whole KV cache in and out of the branch at every step.)
+        At most PROBE_EVERY plain steps pass between two speculative ones, so `pending` holds them all."""
+        plain_step = lambda s: self.plain_step(s, advance)
+
+        def run(drafting: bool):
+            keep = lambda s: cond(s) & (speculate_now(s.pace, self.step_cost) == drafting)
+            return lambda s: jax.lax.while_loop(keep, speculative_step if drafting else plain_step, s)
+
+        return self.flush(jax.lax.while_loop(cond, lambda s: run(False)(run(True)(self.flush(s))), state))
+
+
+def pacer(step_cost: float | None, base: Llama, drafter: Drafter, *, sampling: SamplingConfig,
+          cache_len: int) -> Unpaced | Paced:
+    """The pacer for `step_cost` (a speculative step's cost in plain steps; None: draft at every step)."""
+    if step_cost is None:
+        return Unpaced()
+    return Paced(step_cost, base, drafter, sampling=sampling, cache_len=cache_len)
