@@ -18,7 +18,8 @@ Two runs rank two tokens apart only where that gap is under this bound, and a th
 logits (`divergence.logits_along`, the measurement) lies within it too. For the two-layer models here,
 R = 28 and the bound is 0.029 scale (4 to 7 of bfloat16's spacings at the largest logit). It must also
 say something: most positions of the texts have a wider top-2 gap, so that partings at random places
-would not all fall under it.
+would not all fall under it. (Measured on a 2-core x86 CPU: about 15 partings, each within 1.2 spacings;
+15-30% of all positions under the bound.)
 """
 
 import functools
