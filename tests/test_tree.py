@@ -32,11 +32,6 @@ def _check_consistent(t: Tree):
         assert t.children[p, t.rank[i]] == i
         np.testing.assert_array_equal(t.ancestor_mask[i], t.ancestor_mask[p] | (np.arange(n) == i))
     assert t.num_children.sum() == n - 1
-    for row in t.retrieve:
-        nodes = row[row >= 0]
-        assert nodes[0] == 0 and t.num_children[nodes[-1]] == 0
-        np.testing.assert_array_equal(t.parents[nodes[1:]], nodes[:-1])
-    assert t.num_leaves == int((t.num_children == 0).sum())
     for d, nodes in enumerate(t.depth_nodes, start=1):
         np.testing.assert_array_equal(nodes, np.arange(n)[t.level(d)])
         assert (t.depth[nodes] == d).all() and t.max_rank[d - 1] == t.rank[nodes].max() + 1
@@ -59,13 +54,12 @@ def test_small_tree_literal_arrays():
          [1, 0, 1, 0, 0, 1, 0],
          [1, 1, 0, 1, 0, 0, 1]],
     )  # fmt: skip
-    np.testing.assert_array_equal(t.retrieve, [[0, 1, 4, -1], [0, 2, 5, -1], [0, 1, 3, 6]])
     assert [d.tolist() for d in t.depth_nodes] == [[1, 2], [3, 4, 5], [6]]
     assert t.level(2) == slice(3, 6) and t.level(0) == slice(0, 1)
     assert t.max_rank == (2, 2, 1)
     np.testing.assert_array_equal(t.num_children, [2, 2, 1, 1, 0, 0, 0])
     np.testing.assert_array_equal(t.children, [[1, 2], [3, 4], [5, -1], [6, -1], [-1, -1], [-1, -1], [-1, -1]])
-    for a in (t.parents, t.depth, t.rank, t.ancestor_mask, t.retrieve, t.children, t.num_children):
+    for a in (t.parents, t.depth, t.rank, t.ancestor_mask, t.children, t.num_children):
         assert a.dtype in (np.int32, np.bool_) and not a.flags.writeable
     assert all(d.dtype == np.int32 and not d.flags.writeable for d in t.depth_nodes)
     _check_consistent(t)
@@ -76,7 +70,6 @@ def test_unsorted_input_is_put_in_canonical_order():
     assert t.paths == ((0,), (1,), (2,), (2, 0))
     np.testing.assert_array_equal(t.parents, [-1, 0, 0, 0, 3])
     np.testing.assert_array_equal(t.rank, [0, 0, 1, 2, 0])
-    np.testing.assert_array_equal(t.retrieve, [[0, 1, -1], [0, 2, -1], [0, 3, 4]])
     np.testing.assert_array_equal(t.children, [[1, 2, 3], [-1, -1, -1], [-1, -1, -1], [4, -1, -1], [-1, -1, -1]])
     assert t == Tree.from_paths([[0], [1], [2], [2, 0]])
 
@@ -86,7 +79,6 @@ def test_chain():
     assert t.paths == ((0,), (0, 0), (0, 0, 0))
     np.testing.assert_array_equal(t.parents, [-1, 0, 1, 2])
     np.testing.assert_array_equal(t.ancestor_mask, np.tril(np.ones((4, 4), bool)))
-    np.testing.assert_array_equal(t.retrieve, [[0, 1, 2, 3]])
     assert t.max_rank == (1, 1, 1) and t.children.shape == (4, 1)
 
 
@@ -123,7 +115,6 @@ def test_a_tree_fitted_to_decodings_hits_keeps_the_nodes_that_accepted_most(tmp_
 def test_full_and_widths():
     t = full(2, 2)
     assert t.paths == ((0,), (1,), (0, 0), (0, 1), (1, 0), (1, 1))
-    np.testing.assert_array_equal(t.retrieve, [[0, 1, 3], [0, 1, 4], [0, 2, 5], [0, 2, 6]])
     np.testing.assert_array_equal(t.children, [[1, 2], [3, 4], [5, 6], [-1, -1], [-1, -1], [-1, -1], [-1, -1]])
     w = from_widths([3, 2, 1])
     assert w.num_nodes == 1 + 3 + 6 + 6 and w.max_depth == 3 and w.max_rank == (3, 2, 1)

@@ -67,7 +67,6 @@ class Tree:
     depth: np.ndarray  # [N] int32, 0 for the root
     rank: np.ndarray  # [N] int32, child rank within the parent (top-k index); 0 for the root
     ancestor_mask: np.ndarray  # [N, N] bool, [i, j] iff j is i or an ancestor of i (root included)
-    retrieve: np.ndarray  # [P, D+1] int32, root-to-leaf node indices per leaf (node order), -1 padded
     depth_nodes: tuple[np.ndarray, ...]  # D arrays of int32 node indices, for depth 1..D (ascending)
     max_rank: tuple[int, ...]  # [D] top-k each depth needs: 1 + the largest rank at depth 1..D
     num_children: np.ndarray  # [N] int32
@@ -88,11 +87,6 @@ class Tree:
         """S: the draft slots a drafter's own cache needs past the prefix (one per node)."""
         return self.num_nodes
 
-    @property
-    def num_leaves(self) -> int:
-        """P: the number of root-to-leaf candidate paths."""
-        return self.retrieve.shape[0]
-
     def level(self, d: int) -> slice:
         """The contiguous node range of depth d (0 = the root .. D), as a static slice."""
         if not 0 <= d <= self.max_depth:
@@ -105,6 +99,11 @@ class Tree:
     def truncated(self, max_depth: int) -> Tree:
         """The same tree without the nodes deeper than max_depth."""
         return Tree.from_paths([p for p in self.paths if len(p) <= max_depth])
+
+    @property
+    def num_leaves(self) -> int:
+        """P: the number of root-to-leaf candidate paths."""
+        return int((self.num_children == 0).sum())
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Tree) and self.paths == other.paths
@@ -134,16 +133,11 @@ class Tree:
         children = np.full((n, int(num_children.max())), -1, np.int32)
         for i in range(1, n):  # canonical order visits siblings by increasing rank
             children[parents[i], rank[i]] = i
-        leaves = np.flatnonzero(num_children == 0)
-        retrieve = np.full((len(leaves), d_max + 1), -1, np.int32)
-        for row, leaf in enumerate(leaves):
-            chain = np.flatnonzero(mask[leaf])  # ancestors have smaller indices and depths
-            retrieve[row, : len(chain)] = chain
         depth_nodes = tuple(_frozen(np.flatnonzero(depth == d).astype(np.int32))
                             for d in range(1, d_max + 1))  # fmt: skip
         max_rank = tuple(int(rank[nodes].max()) + 1 for nodes in depth_nodes)
-        return cls(canon, _frozen(parents), _frozen(depth), _frozen(rank), _frozen(mask), _frozen(retrieve),
-                   depth_nodes, max_rank, _frozen(num_children), _frozen(children))
+        return cls(canon, _frozen(parents), _frozen(depth), _frozen(rank), _frozen(mask), depth_nodes,
+                   max_rank, _frozen(num_children), _frozen(children))
 
     @classmethod
     def from_file(cls, path: str, max_depth: int | None = None) -> Tree:
