@@ -3,7 +3,7 @@ prompt files, chat templates, named data sets, exit codes, compile cache and mul
 
 Both tool packages import it (`import cli`, then `cli.read_prompts(...)`); neither imports the other.
 Everything a user can get wrong becomes a `CloverError`, which `run_main` turns into one `error: ...`
-line and exit status 2.
+line and exit status 2 (130 after Ctrl-C, 141 when the reader of stdout has gone).
 """
 
 from cli.chat import (
@@ -24,7 +24,21 @@ from cli.prompts import (
     read_records,
     record_system,
 )
-from cli.run import INTERRUPTED, batches, check_output_dir, check_plot_format, numbers, run_main
+from cli.run import (
+    CLOSED_PIPE,
+    INTERRUPTED,
+    SEEDS,
+    at_least,
+    batches,
+    check_output_dir,
+    check_output_file,
+    check_plot_format,
+    check_seeds,
+    exit,
+    numbers,
+    run_main,
+    seed,
+)
 from cli.runtime import (
     COMPILE_CACHE_ENV,
     add_compile_cache_flag,

@@ -169,7 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="OUT", help="write the results as JSON")
     p.add_argument("--plot", metavar="OUT.png",
                    help="write a PNG: speedup and tau per method, speedup per Spec-Bench task, acceptance per depth")
-    p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of random heads and random --shape weights (default: %(default)s)")
+    p.add_argument("--seed", type=cli.seed, default=0, metavar="S",
+                   help="seed of random heads, random --shape weights and sampling, 0 to 2**32-1 "
+                        "(default: %(default)s)")
     return p
 
 
@@ -367,11 +369,8 @@ def _check_outputs(args: argparse.Namespace) -> None:
     """Refuse paths that --json, --plot and --profile could not write to before anything is timed, so a
     bad path fails at once rather than after the whole run."""
     for flag, out in (("--json", args.json), ("--plot", args.plot)):
-        if not out:
-            continue
-        if Path(out).is_dir():
-            raise CloverError(f"{flag} {out} is a folder; give a file path")
-        cli.check_output_dir(Path(out).parent, flag)
+        if out:
+            cli.check_output_file(out, flag)  # a file made and removed in its folder: root may not write /proc
     if args.plot:
         cli.check_plot_format(args.plot)
     if bool(args.fit_tree) != bool(args.tree_out):
@@ -379,9 +378,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
     if args.tree_out:
         if args.fit_tree < 2:
             raise CloverError(f"--fit-tree {args.fit_tree} must be >= 2 (the root and one draft)")
-        if Path(args.tree_out).is_dir():
-            raise CloverError(f"--tree-out {args.tree_out} is a folder; give a file path")
-        cli.check_output_dir(Path(args.tree_out).parent, "--tree-out")
+        cli.check_output_file(args.tree_out, "--tree-out")
     if args.profile:
         cli.check_output_dir(args.profile, "--profile")
 
@@ -433,6 +430,7 @@ def _benchmark(args: argparse.Namespace) -> int:
     costs = list(dict.fromkeys(v.strip() for v in args.step_cost.split(",") if v.strip())) or ["auto"]
     configs = [(m, t, None if m == "plain" else dv, None if m == "plain" else sc) for m, t in _configs(args.tree, methods)
                for dv in ([None] if m == "plain" else draft_vocabs) for sc in ([None] if m == "plain" else costs)]
+    _check_outputs(args)  # before anything loads or is timed (--tree auto may time a step on a CPU)
     path = sources.model_dir(args.model)
     cfg = ModelConfig.from_pretrained(path)
     tokenizer = cli.load_tokenizer(path, cli.chat_template_flag(args.chat, args.chat_template))
@@ -459,7 +457,6 @@ def _benchmark(args: argparse.Namespace) -> int:
         plans = [(m, *planned(model, drafters.get(m), spec, sc, dv, t > 0, mesh), dv) for m, spec, dv, sc in configs]
         at_temp[t] = list(dict.fromkeys((m, tree, dv, cost) for m, tree, cost, dv in plans))
 
-    _check_outputs(args)
     drafting = [c for t in temps for c in at_temp[t] if c[0] != "plain" and c[1] != PLAIN]
     if args.fit_tree and (len(drafting) != 1 or len(temps) != 1 or len(sizes) != 1):
         raise CloverError(f"--fit-tree fits one run's accepted paths, and this one drafts in {len(drafting)} "
@@ -478,6 +475,7 @@ def _benchmark(args: argparse.Namespace) -> int:
         prompts, owners = with_later_turns(model, tokenizer, prompts, records, systems, args.max_new_tokens, eos,
                                            max(sizes), mesh, buckets)
         tasks = [tasks[i] for i in owners]
+    cli.check_seeds(args.seed, -(-len(prompts) // min(sizes)))  # a pass's batch k samples with seed + k
     bandwidth = BandwidthProbe().median()
     per_size = {b: -(-len(prompts) // b) * (args.repeats + 1) for b in sizes}  # batches per method and size
     hf_passes = sum(n * (2 if b == 1 else 1) for b, n in per_size.items()) if args.hf else 0
@@ -591,4 +589,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit(main())

@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "($CLOVER_JAX_STEP_COSTS: another file, or off for the fitted 1.15 + 0.14 per draft, 0.10 "
                         "more when sampling); no pacing on a GPU or TPU, where a tree step costs about one plain "
                         "step, or for any other --tree; none: draft at every step (default: %(default)s)")
-    p.add_argument("--num-heads", type=int, metavar="K",
+    p.add_argument("--num-heads", type=cli.at_least(1), metavar="K",
                    help="number of heads with --heads random (default: " + ", ".join(f"{m} {registry.get(m).depth}" for m in registry.HEADS) + ")")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
                    help="most tokens to generate per prompt; generation also stops at EOS (default: %(default)s)")
@@ -121,8 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="when sampling, draw the drafts from the heads' logits at --temperature times X: the "
                         "output's distribution stays the base model's whatever X; X only moves how often drafts "
                         "are kept (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, metavar="S",
-                   help="random seed for sampling; batch i of --prompts uses S+i (default: %(default)s)")
+    p.add_argument("--seed", type=cli.seed, default=0, metavar="S",
+                   help="random seed for sampling, 0 to 2**32-1; batch i of --prompts uses S+i, reply i of "
+                        "--interactive (S+i) mod 2**32 (default: %(default)s)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
                    help="dtype of weights and activations (default: %(default)s)")
     p.add_argument("--max-len", type=int, metavar="N",
@@ -191,7 +192,7 @@ def converse(generator: Generator, tokenizer, lines, *, system: str | None, max_
     statistics line to stderr), and the conversation so far, rendered by the chat template, is the next
     prompt. When it no longer leaves --max-new-tokens of room in the cache, its oldest exchanges go
     (the system turn stays); a turn that fits not even alone is refused in one line, and the chat goes on.
-    Reply k samples with seed + k."""
+    Reply k samples with seed + k (mod 2**32: a chat has no end known up front)."""
     tally = Tally()
     exchanges: list[tuple[str, str]] = []
     replies = 0
@@ -219,8 +220,8 @@ def converse(generator: Generator, tokenizer, lines, *, system: str | None, max_
                   f"{generator.max_len}; say it in fewer words or raise --max-len", file=sys.stderr)
             continue
         printer = StreamPrinter(tokenizer)
-        out = generator.generate([ids], min(max_new_tokens, room), sampling=sampling, seed=seed + replies,
-                                 eos_ids=eos, on_tokens=printer)
+        out = generator.generate([ids], min(max_new_tokens, room), sampling=sampling,
+                                 seed=(seed + replies) % cli.SEEDS, eos_ids=eos, on_tokens=printer)
         replies += 1
         [tokens] = out.tokens
         printer.show(tokens, final=True)
@@ -307,6 +308,9 @@ def _generate(args: argparse.Namespace) -> int:
     size = args.batch_size if args.batch_size is not None else 1 if args.stream else 8
     size = min(size, max(len(prompts), 1))
     groups = cli.batches(list(range(len(prompts))), size)
+    # --turns all: each turn's batches at most as many as the first's
+    turns = max((len(record_turns(r, where)[0]) for r, where in records), default=1) if args.turns == "all" else 1
+    cli.check_seeds(args.seed, len(groups) * turns)
 
     mesh = cli.mesh_of(args)
     _, model = load_pretrained(path, dtype=DTYPES[args.dtype], mesh=mesh)
@@ -364,4 +368,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit(main())

@@ -15,7 +15,6 @@ import argparse
 import dataclasses
 import json
 import re
-import sys
 from pathlib import Path
 
 import cli
@@ -189,4 +188,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit(main())

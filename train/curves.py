@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    for flag, path in (("--plot", args.plot), ("--out", args.out)):
+        if path:  # the plot is drawn before the table is written: neither may fail after the other
+            cli.check_output_file(path, flag)
     curves = [read_curve(w) for w in args.work_dirs]
     if args.plot:
         cli.check_plot_format(args.plot)
@@ -132,4 +135,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit(main())

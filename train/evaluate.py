@@ -139,12 +139,19 @@ def run(args) -> int:
     for flag, path in (("--json", args.json), ("--tree-out", args.tree_out)):
         if path and not Path(path).resolve().parent.is_dir():
             raise CloverError(f"{flag} {path}: its folder does not exist; create it or write elsewhere")
+        if path:
+            cli.check_output_file(path, flag)
+    if args.record:  # heads.json and tree.json are rewritten there, after the measuring
+        cli.check_output_dir(args.heads, "--record")
+    if args.fit_tree is not None and args.fit_tree < 2:
+        raise CloverError(f"--fit-tree {args.fit_tree} must be >= 2 (the root and one draft)")
     if args.tree_out and not args.fit_tree:
         raise CloverError("--tree-out writes the tree --fit-tree N fits; add --fit-tree N")
     meta = read_heads_config(args.heads)
     s = settings(args, meta.get("training") or {})
     _, base = load_pretrained(sources.model_dir(args.base), dtype=jnp.float32)
     drafter = load_heads(args.heads, base)
+    train.check_seq_len(s["seq_len"], drafter.depth)
     nnx.update(drafter, jax.tree.map(lambda x: x.astype(jnp.float32), nnx.state(drafter, nnx.Param)))
     data = open_dataset(args.data, base)
     indices = data.split(s["val_fraction"])[1] if args.split == "held-out" else None
@@ -192,4 +199,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit(main())

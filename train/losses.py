@@ -17,10 +17,19 @@ from clover_jax.drafters.losses import masked_mean
 from clover_jax.engine.decode import to_host
 
 
+def scoreable(head_logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """[K, B, T] bool: whether a prediction can be scored at all: no NaN among its logits and a finite
+    logit for the target. A NaN compares false with everything, so an unguarded rank would come out 0
+    (the top draft, a hit) and NaN heads would score the best chain tau there is."""
+    target_logit = jnp.take_along_axis(head_logits, jnp.maximum(targets, 0)[..., None], axis=-1)[..., 0]
+    return ~jnp.any(jnp.isnan(head_logits), axis=-1) & jnp.isfinite(target_logit)
+
+
 def topk_accuracy(head_logits: jax.Array, targets: jax.Array, masks: jax.Array, k: int) -> jax.Array:
-    """Per-head top-k accuracy [K] of the drafted token against the data's next tokens."""
+    """Per-head top-k accuracy [K] of the drafted token against the data's next tokens; a prediction
+    that is not finite (`scoreable`) is a miss."""
     top = jax.lax.top_k(head_logits, k)[1]
-    hit = jnp.any(top == targets[..., None], axis=-1).astype(jnp.float32)
+    hit = (jnp.any(top == targets[..., None], axis=-1) & scoreable(head_logits, targets)).astype(jnp.float32)
     return jax.vmap(masked_mean)(hit, masks)
 
 
@@ -30,14 +39,15 @@ RANK_CAP = 64  # a target ranked this low or lower is a miss: no tree drafts tha
 def target_ranks(head_logits: jax.Array, targets: jax.Array, masks: jax.Array, cap: int = RANK_CAP) -> jax.Array:
     """[K, B, T] int32: where the data's token t+2+k ranks in head k's logits at position t (0: the top-1
     draft; ties go to the lower token id, as argmax and top_k break them); `cap` where the target is not
-    counted (mask), lies outside the scored vocabulary (target < 0) or ranks `cap` or lower. A tree node
+    counted (mask), lies outside the scored vocabulary (target < 0), ranks `cap` or lower or cannot be
+    ranked (a NaN logit, `scoreable`). A tree node
     whose path of child ranks equals these ranks drafts exactly the data's tokens."""
     safe = jnp.maximum(targets, 0)[..., None]
     target_logit = jnp.take_along_axis(head_logits, safe, axis=-1)
     ids = jnp.arange(head_logits.shape[-1])
     ahead = (head_logits > target_logit) | ((head_logits == target_logit) & (ids < safe))
     rank = jnp.sum(ahead, axis=-1, dtype=jnp.int32)
-    return jnp.where((masks > 0) & (targets >= 0) & (rank < cap), rank, cap)
+    return jnp.where((masks > 0) & (targets >= 0) & (rank < cap) & scoreable(head_logits, targets), rank, cap)
 
 
 def chain_paths(depth: int) -> frozenset:

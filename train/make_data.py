@@ -432,8 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "conversations reach, fill fuller batches; their shards are saved when all N are done, "
                         "so a killed run loses up to N chunks' work. Greedy answers are the model's greedy "
                         "answers whatever N; sampled ones differ with N (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, metavar="S",
-                   help="self mode: sampling seed; generation batch k uses S+k (default: %(default)s)")
+    p.add_argument("--seed", type=cli.seed, default=0, metavar="S",
+                   help="self mode: sampling seed, 0 to 2**32-1; generation batch k uses S+k (default: %(default)s)")
     p.add_argument("--mesh", metavar="SPEC",
                    help="shard the base model over this process's devices, e.g. model=8 or data=2,model=4 (axes "
                         "data, fsdp, model; one may be -1 for the rest); default: one device")
@@ -444,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def make_data(args: argparse.Namespace) -> int:
     cli.use_compile_cache(args.compile_cache)
-    for name in ("max_new_tokens", "batch_size", "chunks_at_once"):
+    for name in ("max_new_tokens", "batch_size", "chunk", "chunks_at_once"):
         if getattr(args, name) < 1:
             raise CloverError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
     if args.limit is not None and args.limit < 1:
@@ -453,6 +453,9 @@ def make_data(args: argparse.Namespace) -> int:
         raise CloverError(f"--first {args.first} must be >= 0")
     if args.first and args.answers:
         raise CloverError("--answers keeps answers by record from the file's start; drop --first")
+    for flag, folder in (("--out", args.out), ("--answers", args.answers)):  # before the answers are made
+        if folder:
+            cli.check_output_dir(folder, flag)
     sampling = SamplingConfig(temperature=args.temperature)
     base_dir = sources.model_dir(args.base)
     cfg = ModelConfig.from_pretrained(base_dir)
@@ -488,6 +491,9 @@ def make_data(args: argparse.Namespace) -> int:
               file=sys.stderr)
     if not records:
         raise CloverError(f"{args.prompts}: no usable record; raise --max-len or check the file")
+    if args.mode == "self":  # at most: seeds from S + a chunk's first record on, a batch per record and turn
+        cli.check_seeds(args.seed, records[-1][0] + 1 + len(records) * max(len(r.users) if all_turns else 1
+                                                                            for _, r in records))
 
     buckets = data_buckets(max_len, cli.numbers(args.buckets, "--buckets", int, "integers", "512,1024", 1)
                            if args.buckets else None)
@@ -545,4 +551,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit(main())

@@ -209,4 +209,4 @@ def export(model: Llama, tok_dir: Path, out: Path, step: int, final: dict, args)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit(main())

@@ -8,12 +8,15 @@ inside orbax or, worse, silently training something else.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import logging
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
+from shutil import disk_usage
 from typing import Iterator
 
 import orbax.checkpoint as ocp
@@ -81,6 +84,58 @@ def restore_latest(manager: ocp.CheckpointManager, state: dict) -> tuple[int, di
         raise CloverError(f"{manager.directory}: the checkpoint of step {step} does not fit this run's parameters "
                           f"({str(e).splitlines()[0]}); it was written by another version of clover-jax, "
                           "so start again in a new work directory") from None
+
+
+NO_SPACE = ("No space left on device", "RESOURCE_EXHAUSTED")  # how orbax (tensorstore) reports a full disk
+
+
+def check_checkpoint_space(work: Path, state_bytes: int, keep: int) -> None:
+    """Refuse, before training, a --work-dir whose disk cannot hold the run's checkpoints: `keep` of them,
+    the best one and the one being written, each `state_bytes` (the drafter and optimizer state),
+    less what the run's checkpoints there (a resumed run's) take already."""
+    existing = next(p for p in (work, *work.parents) if p.exists())
+    held = sum(f.stat().st_size for d in ("checkpoints", "best") for f in (work / d).rglob("*") if f.is_file())
+    need, free = state_bytes * (keep + 2), disk_usage(existing).free
+    if free + held < need:
+        mb = 1 << 20
+        raise CloverError(f"no space left on {existing} for --work-dir {work}: its checkpoints need about "
+                          f"{-(-need // mb)} MB ({keep} kept, the best and the one being written, "
+                          f"{-(-state_bytes // mb)} MB each) and {free // mb} MB are free; free some space, "
+                          "lower --keep or give another --work-dir")
+
+
+class _QuietNoSpace(logging.Filter):
+    """Drops orbax's report of a full disk (one traceback per array written, hundreds): `no_space_in`
+    says it once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage() + (str(record.exc_info[1]) if record.exc_info else "")
+        return not any(s in text for s in NO_SPACE)
+
+
+_quiet = _QuietNoSpace()
+
+
+@contextlib.contextmanager
+def no_space_in(work: Path, step: int | None = None, managers: tuple = ()) -> Iterator[None]:
+    """Within the block, a full disk under orbax's checkpointing (its ValueError naming RESOURCE_EXHAUSTED,
+    or an OSError ENOSPC) is one `CloverError` line naming --work-dir; the checkpoints saved before stay
+    whole (orbax commits one by a rename; those still in flight in `managers` are let finish first).
+    Orbax's own logging of it, from its writer threads, is muted from the first call on."""
+    logging.getLogger("absl").addFilter(_quiet)  # a second add of the same filter is a no-op
+    try:
+        yield
+    except (OSError, ValueError) as e:
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT) if isinstance(e, OSError) else any(s in str(e) for s in NO_SPACE)
+        if not full:
+            raise
+        for manager in managers:
+            with contextlib.suppress(Exception):  # this one's failure is the one reported
+                manager.wait_until_finished()
+        at = "" if step is None else f" at step {step}"
+        raise CloverError(f"no space left on {work} (--work-dir) for a checkpoint{at}; free some space there and "
+                          "rerun with --resume (the checkpoints before it are whole), or give another --work-dir"
+                          ) from None
 
 
 class MetricsLog:

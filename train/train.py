@@ -42,7 +42,8 @@ from clover_jax.model.sharding import onto_mesh, put_batch, shard_module
 import cli
 from train import losses
 from train.data import HeadDataset
-from train.runs import MetricsLog, pin_run, restore_latest, stop_due, stop_on_interrupt
+from train.runs import (MetricsLog, check_checkpoint_space, no_space_in, pin_run, restore_latest, stop_due,
+                        stop_on_interrupt)
 from clover_jax.io import sources
 
 MASS_EXAMPLES = 256  # the exported probability mass sums over at most this many examples, evenly spaced
@@ -170,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "answers, when --data adds text it did not write (default: all of --data)")
     p.add_argument("--out", required=True, metavar="DIR", help="where the final heads (safetensors + JSON) go")
     p.add_argument("--work-dir", metavar="DIR", help="orbax checkpoints and metrics.jsonl (default: OUT/../run-METHOD)")
-    p.add_argument("--num-heads", type=int, help="number of heads (default: " + ", ".join(f"{m} {registry.get(m).depth}" for m in registry.HEADS) + ")")
+    p.add_argument("--num-heads", type=cli.at_least(1), help="number of heads (default: " + ", ".join(f"{m} {registry.get(m).depth}" for m in registry.HEADS) + ")")
     p.add_argument("--embed-source", choices=("lm_head", "input"),
                    help="Clover-2 token embeddings: a frozen copy of lm_head (default), or the input embedding table")
     p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
@@ -205,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt-every", type=int, default=100, help="checkpoint period (steps)")
     p.add_argument("--keep", type=int, default=2, help="latest checkpoints kept (the best one is kept too)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --work-dir")
-    p.add_argument("--seed", type=int, default=0, help="head initialisation and batch-order seed")
+    p.add_argument("--seed", type=cli.seed, default=0,
+                   help="head initialisation and batch-order seed, 0 to 2**32-1; a resumed run keeps its own")
     p.add_argument("--stop-after", type=int, default=0, metavar="STEP",
                    help="stop cleanly (checkpoint, no export) once this step is done, as a kill would; "
                         "0 = run to --steps")
@@ -222,6 +224,24 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return cli.run_main(lambda: run(args))
+
+
+def check_seq_len(seq_len: int, depth: int, flag: str = "--seq-len") -> None:
+    """Refuse a window too short to give every head a target: head k (from 0) at position t learns token
+    t + 2 + k, so `depth` heads need depth + 2 tokens; a shorter one trains and measures nothing."""
+    if seq_len < depth + 2:
+        raise CloverError(f"{flag} {seq_len}: a window of {depth} heads' targets needs at least {depth + 2} tokens "
+                          f"(head k learns the token k + 2 ahead); give {flag} {depth + 2} or more")
+
+
+def check_finite(loss: float, step: int, args, settle) -> None:
+    """Stop a run whose training loss is NaN or infinite, in one line, before its weights are checkpointed or
+    exported (the checkpoints already saved, of finite steps, are let finish: `settle`, and stay)."""
+    if np.isfinite(loss):
+        return
+    settle()
+    raise CloverError(f"step {step}: the training loss is {loss}; nothing saved or exported from it: lower --lr "
+                      f"({args.lr}) or check the data, and start again (earlier checkpoints are kept)")
 
 
 def open_dataset(path: str, base: Llama) -> HeadDataset:
@@ -266,6 +286,7 @@ def run(args) -> int:
         hcfg = HeadsConfig(args.method, args.num_heads or registry.get(args.method).depth,
                            args.embed_source or "lm_head", draft_vocab=args.draft_vocab)
         drafter = registry.make_drafter(hcfg, base, seed=args.seed)
+    check_seq_len(args.seq_len, drafter.depth)
     # The exported counts and probability mass: of --counts-from's training split, else of all of --data
     # (as runs before --counts-from counted, so that a drafter's own draft ids stay the same when it resumes).
     counted = open_dataset(args.counts_from, base) if args.counts_from else data
@@ -297,12 +318,14 @@ def run(args) -> int:
     optimizer = make_optimizer(args)
     opt_state = jax.jit(optimizer.init)(params)  # moments placed like the parameters they follow
 
+    check_checkpoint_space(work, sum(x.nbytes for x in jax.tree.leaves((params, opt_state))), args.keep)
     last = ocp.CheckpointManager(work / "checkpoints", options=ocp.CheckpointManagerOptions(max_to_keep=args.keep))
     best = ocp.CheckpointManager(work / "best", options=ocp.CheckpointManagerOptions(
         max_to_keep=1, best_fn=lambda m: m["val_loss"], best_mode="min"))
     pin_run(work, {"method": hcfg.method, "num_heads": hcfg.num_heads, "embed_source": hcfg.embed_source,
                    "draft_vocab": hcfg.draft_vocab,
                    "base": str(Path(args.base).resolve()), "data": str(Path(args.data).resolve()),
+                   "seed": args.seed,  # it draws the batches: a resume with another would not continue the run
                    "counts_from": str(Path(args.counts_from).resolve()) if args.counts_from else None,
                    # What picks a drafter's own draft ids and the loss vocabulary, neither of which the checkpoints hold:
                    # a resume over other counts (the data rebuilt in place, or counted another way) is refused.
@@ -317,6 +340,9 @@ def run(args) -> int:
     params, opt_state = restored["params"], restored["opt_state"]
     if mesh is not None:
         params, opt_state = onto_mesh((params, opt_state), mesh)
+    if start > args.steps:
+        raise CloverError(f"--steps {args.steps}: {work} holds step {start} already; resume with --steps {start} "
+                          "to export it, or more to train on")
     if start:
         print(f"resumed from step {start} in {work}", file=sys.stderr)
     if drafter.feature_layers and not stored_features:
@@ -353,9 +379,16 @@ def run(args) -> int:
 
     def save(step, ev):
         state = {"params": params, "opt_state": opt_state}
-        last.save(step, args=ocp.args.StandardSave(state))
-        if ev:
-            best.save(step, args=ocp.args.StandardSave(state), metrics={"val_loss": ev["val_loss"]})
+        with no_space_in(work, step, (last, best)):  # a save waits for the one before: its failure surfaces here
+            last.save(step, args=ocp.args.StandardSave(state))
+            if ev:
+                best.save(step, args=ocp.args.StandardSave(state), metrics={"val_loss": ev["val_loss"]})
+
+    def settle():
+        """Wait for the checkpoints in flight to be written."""
+        with no_space_in(work):
+            last.wait_until_finished()
+            best.wait_until_finished()
 
     t0 = time.time()
     ev: dict = {}
@@ -366,8 +399,13 @@ def run(args) -> int:
             batch = data.batch_at(step, args.batch_size, args.seq_len, args.seed, train_idx)
             params, opt_state, m = train_step(params, opt_state, base_params, to_device(batch), step)
             done = step + 1
-            if done % 10 == 0 or done == args.steps:
+            stopping = stop_due(done, args, t0, interrupt)
+            # NaN weights stay NaN, so a loss looked at every 10 steps and before each checkpoint is
+            # enough never to save or export them.
+            if done % 10 == 0 or done == args.steps or done % args.ckpt_every == 0 or stopping:
                 m = jax.device_get(m)
+                check_finite(float(m["loss"]), done, args, settle)
+            if done % 10 == 0 or done == args.steps:
                 record(done, loss=float(m["loss"]), top1=np.asarray(m["top1"]).tolist())
                 bar.set_postfix(loss=f"{float(m['loss']):.3f}",
                                 top1="/".join(f"{a:.2f}" for a in np.asarray(m["top1"])))
@@ -380,15 +418,13 @@ def run(args) -> int:
                               f"top5={[round(a, 3) for a in ev['val_top5']]} chain tau={ev['val_chain_tau']:.2f}")
             if done % args.ckpt_every == 0 or done == args.steps:
                 save(done, ev if done % args.eval_every == 0 or done == args.steps else {})
-            if stop_due(done, args, t0, interrupt):
+            if stopping:
                 if done % args.ckpt_every:
                     save(done, {})
-                last.wait_until_finished()
-                best.wait_until_finished()
+                settle()
                 print(f"stopped at step {done}; rerun with --resume", file=sys.stderr)
                 return cli.INTERRUPTED if interrupt.is_set() else 0
-    last.wait_until_finished()
-    best.wait_until_finished()
+    settle()
     if not ev:  # resumed after its last step: the export still carries the held-out figures
         ev = held_out(args.steps)
     mass = token_mass(base, counted, counted_idx, args.seq_len, args.batch_size, place)
@@ -407,4 +443,4 @@ def run(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit(main())

@@ -248,6 +248,8 @@ class Generator:
             raise CloverError(
                 f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the cache of {self.max_len} "
                 "positions; shorten the prompt, lower --max-new-tokens or raise --max-len")
+        if not 0 <= seed < 2 ** 32:  # a key holds 32 bits of it: 2**32 would draw what 0 draws, 2**64 overflow
+            raise CloverError(f"seed {seed} must be in [0, 2**32), the seeds a JAX random key tells apart")
         vocab = self.cfg.vocab_size
         if any(t < 0 or t >= vocab for p in prompts for t in p):
             raise CloverError(f"prompt token ids must be in [0, {vocab}); the tokenizer does not match the model")

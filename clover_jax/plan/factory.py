@@ -69,6 +69,8 @@ def load_drafter(model: Llama, method: str, *, model_path=None, heads: str | Pat
         raise CloverError(f"plain decoding drafts nothing; choose a draft method: {', '.join(registry.names())}")
     registry.get(method)  # an unknown method is one line naming the known ones
     if heads == "random":
+        if num_heads is not None and num_heads < 1:
+            raise CloverError(f"num_heads={num_heads}: random heads need at least one head")
         return LoadedDrafter(method, make_heads(HeadsConfig(method, num_heads or registry.get(method).depth), model,
                                                 seed=seed), None)
     if heads in (None, "shipped"):
