@@ -30,7 +30,7 @@ from clover_jax.plan import factory
 from clover_jax.trees.spec import resolve_tree
 from clover_jax.trees.static import Tree
 from conftest import tiny_llama_checkpoint
-from train import data, evaluate, make_data, train
+from train import data, evaluate, hidden_states, make_data, train
 from train.data import HeadDataset, staging_dir
 
 RECORDS = [{"prompt": "def add(a, b):", "response": "\n    return a + b\n"},
@@ -111,7 +111,7 @@ def test_ctrl_c_during_a_rerun_leaves_the_old_dataset_whole(where, model_dir, pr
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(make_data, "_last_hidden", interrupted) if where == "hidden states" else \
+    monkeypatch.setattr(hidden_states, "_last_hidden", interrupted) if where == "hidden states" else \
         monkeypatch.setattr(data, "save_array", interrupted)
     code, err = run_make_data(capsys, model_dir, prompts / "good.jsonl", d, "--limit=2", "--store-hidden=float16")
     assert code == cli.INTERRUPTED
@@ -149,8 +149,8 @@ def test_a_dataset_that_cannot_fit_is_refused_before_the_hidden_states(model_dir
                                                                         capsys, monkeypatch):
     d = shutil.copytree(old_set, tmp_path / "d")
     before, calls = snapshot(d), []
-    real = make_data._last_hidden
-    monkeypatch.setattr(make_data, "_last_hidden", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = hidden_states._last_hidden
+    monkeypatch.setattr(hidden_states, "_last_hidden", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(files, "free_bytes", lambda path: 1000)
     code, err = run_make_data(capsys, model_dir, prompts / "good.jsonl", d, "--store-hidden=float16")
     assert code == 2 and "no space left on" in one_line(err) and "need about" in err and "old one stays" in err

@@ -19,7 +19,7 @@ from clover_jax.engine.sampling import SamplingConfig
 from conftest import save_tiny_llama, tiny_llama_checkpoint, tiny_tokenizer
 import cli
 from cli import conversation
-from train import make_data, merge_data
+from train import hidden_states, make_data, merge_data
 from train.data import HeadDataset
 from clover_jax.io import tokenization
 
@@ -161,13 +161,13 @@ def test_buckets_pad_every_batch_to_the_lengths_given(model_dir, prompts_file, f
     default buckets' (right padding changes nothing there)."""
     assert make_data.data_buckets(24, [16, 8, 64, 16]) == (8, 16, 24)
     assert make_data.data_buckets(300, [512]) == (300,)
-    real, lengths = make_data._last_hidden, []
+    real, lengths = hidden_states._last_hidden, []
 
     def seen(graphdef, params, batch, **k):
         lengths.append(batch.shape[1])
         return real(graphdef, params, batch, **k)
 
-    monkeypatch.setattr(make_data, "_last_hidden", seen)
+    monkeypatch.setattr(hidden_states, "_last_hidden", seen)
     out = tmp_path / "d"
     code, _, _ = run(capsys, "--base", model_dir, "--prompts", prompts_file, "--out", out, "--mode", "fixed",
                      "--max-len", "24", "--batch-size", "1", "--store-hidden", "float16", "--buckets", "8,16")
@@ -526,7 +526,7 @@ def test_a_killed_hidden_state_pass_resumes_where_it_recorded(model_dir, prompts
     common = ["--base", model_dir, "--prompts", prompts_file, "--mode", "fixed", "--max-len", "24",
               "--batch-size", "1", "--store-hidden", "float16", "--store-features"]
     assert run(capsys, *common, "--out", tmp_path / "whole")[0] == 0
-    real, calls = make_data._last_hidden, []
+    real, calls = hidden_states._last_hidden, []
 
     def killed_at(n):
         def forward(*a, **k):
@@ -536,8 +536,8 @@ def test_a_killed_hidden_state_pass_resumes_where_it_recorded(model_dir, prompts
             return real(*a, **k)
         return forward
 
-    monkeypatch.setattr(make_data, "SAVE_EVERY_S", 0.0)  # record after every batch
-    monkeypatch.setattr(make_data, "_last_hidden", killed_at(3))
+    monkeypatch.setattr(hidden_states, "SAVE_EVERY_S", 0.0)  # record after every batch
+    monkeypatch.setattr(hidden_states, "_last_hidden", killed_at(3))
     out = tmp_path / "d"
     assert run(capsys, *common, "--out", out)[0] == cli.INTERRUPTED
     assert json.loads((out / "hidden-progress.json").read_text())["done"] == 2
@@ -548,7 +548,7 @@ def test_a_killed_hidden_state_pass_resumes_where_it_recorded(model_dir, prompts
         calls.append(1)
         return real(*a, **k)
 
-    monkeypatch.setattr(make_data, "_last_hidden", counted)
+    monkeypatch.setattr(hidden_states, "_last_hidden", counted)
     calls.clear()
     code, _, err = run(capsys, *common, "--out", out)
     assert code == 0 and "resuming the hidden states after batch 2" in err
@@ -558,10 +558,10 @@ def test_a_killed_hidden_state_pass_resumes_where_it_recorded(model_dir, prompts
     for name in ("hidden.npy", "features.npy", "tokens.npy"):
         np.testing.assert_array_equal(np.load(out / name), np.load(tmp_path / "whole" / name))
     # A killed run with other settings (batch size 2) does not take that record's arrays.
-    monkeypatch.setattr(make_data, "_last_hidden", killed_at(2))
+    monkeypatch.setattr(hidden_states, "_last_hidden", killed_at(2))
     calls.clear()
     assert run(capsys, *common, "--batch-size", "2", "--out", out)[0] == cli.INTERRUPTED
-    monkeypatch.setattr(make_data, "_last_hidden", counted)
+    monkeypatch.setattr(hidden_states, "_last_hidden", counted)
     calls.clear()
     code, _, err = run(capsys, *common, "--out", out)
     assert code == 0 and "resuming" not in err and len(calls) == len(RECORDS)
@@ -573,17 +573,17 @@ def test_partial_hidden_arrays_reopen_as_written(dtype, tmp_path):
     """A recorded pass's arrays come back with their dtype and values (bfloat16 is stored as raw 2-byte
     records, and must be viewed as bfloat16 again), and the batches it recorded; another key gets new ones."""
     dt = make_data.HIDDEN_DTYPES[dtype]
-    (hidden, features), done = make_data.open_partial(tmp_path, "k", [(5, 4), (5, 3, 4)], dt)
+    (hidden, features), done = hidden_states.open_partial(tmp_path, "k", [(5, 4), (5, 3, 4)], dt)
     assert done == 0
     hidden[:2], features[:2] = 1.5, -2.0
     hidden.flush(), features.flush()
     (tmp_path / "hidden-progress.json").write_text(json.dumps({"key": "k", "done": 1}))
     del hidden, features
-    (hidden, features), done = make_data.open_partial(tmp_path, "k", [(5, 4), (5, 3, 4)], dt)
+    (hidden, features), done = hidden_states.open_partial(tmp_path, "k", [(5, 4), (5, 3, 4)], dt)
     assert done == 1 and hidden.dtype == features.dtype == dt
     assert np.all(hidden[:2].astype(np.float32) == 1.5) and np.all(features[:2].astype(np.float32) == -2.0)
     del hidden, features
-    (hidden, _), done = make_data.open_partial(tmp_path, "other", [(5, 4), (5, 3, 4)], dt)
+    (hidden, _), done = hidden_states.open_partial(tmp_path, "other", [(5, 4), (5, 3, 4)], dt)
     assert done == 0 and not (tmp_path / "hidden-progress.json").exists() and np.all(hidden.astype(np.float32) == 0)
 
 

@@ -26,7 +26,7 @@ from clover_jax.model.llama import Llama
 # The files `train.make_data` writes; meta.json is written last, so without it a dataset is unfinished.
 FILES = ("tokens.npy", "offsets.npy", "loss_mask.npy", "hidden.npy", "features.npy")
 META = "meta.json"
-# make_data's hidden-state pass in progress: the arrays filled so far and how far (`make_data.store_hidden`).
+# make_data's hidden-state pass in progress: the arrays filled so far and how far (`hidden_states.store_hidden`).
 PARTIAL = ("hidden.npy.partial", "features.npy.partial", "hidden-progress.json")
 MAKERS = ("train.make_data", "train.merge_data")  # what a dataset's meta.json may say made it
 HIDDEN_DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
