@@ -54,7 +54,7 @@ def plain_phases(generator: Generator, prompts: list[list[int]], max_new: int, r
     start = jax.jit(lambda g, params, *a, **s: start_plain(nnx.merge(g, params), *a, **s),
                     static_argnums=0, static_argnames=(*static_names, "mesh"))
     loop = jax.jit(lambda g, params, state, budgets, **s: continue_plain(nnx.merge(g, params), state, budgets, **s),
-                   static_argnums=0, static_argnames=static_names, donate_argnums=2)
+                   static_argnums=0, static_argnames=(*static_names, "loop_chunk"), donate_argnums=2)
     probe = BandwidthProbe()
     passes = []
     for _ in range(max(repeats, 1) + 1):  # its jitted programs compile in the first pass: never timed
@@ -62,12 +62,13 @@ def plain_phases(generator: Generator, prompts: list[list[int]], max_new: int, r
         reads = []
         for p in prompts:
             args, static = generator.prepare([p], max_new, eos_ids=())
+            chunk = static.pop("loop_chunk")  # the loop's alone: the prefill has none
             reads.append(probe.read())
             t0 = time.perf_counter()
             state = jax.block_until_ready(start(generator.graphdef, *args, **static))
             t1 = time.perf_counter()
             static.pop("mesh")
-            state = jax.block_until_ready(loop(generator.graphdef, args[0], state, args[3], **static))
+            state = jax.block_until_ready(loop(generator.graphdef, args[0], state, args[3], loop_chunk=chunk, **static))
             decode_s += time.perf_counter() - t1
             prefill_s += t1 - t0
             steps += int(to_host(state.step))

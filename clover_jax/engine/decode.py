@@ -1,4 +1,5 @@
-"""Plain (one token per step) generation: prefill plus a `lax.while_loop`, jitted end to end.
+"""Plain (one token per step) generation: prefill plus a `lax.while_loop` (in chunks of a fixed number
+of steps: `chunks`), jitted end to end.
 
 Prompts are right-padded to a few length buckets, so a new prompt length reuses a compiled program;
 each sequence has its own length, token budget and RNG key, and stops on its own EOS. `Generator`
@@ -19,6 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import io_callback
 
+from clover_jax.engine.chunks import DEFAULT_LOOP_CHUNK, check_chunk, chunked
 from clover_jax.model.cache import KVCache, causal_mask
 from clover_jax.errors import CloverError
 from clover_jax.model.llama import Llama, ModelOutput
@@ -66,6 +68,19 @@ class DecodeState:
         done = self.done | (live & hit_eos) | (num_new >= budgets)
         return self.replace(tokens=tokens, num_new=num_new, done=done)
 
+    def paused(self, go: jax.Array) -> "DecodeState":
+        """This state with every sequence done unless `go` []: a step from it appends nothing."""
+        return self.replace(done=self.done | ~go)
+
+    def resumed(self, before: "DecodeState", go: jax.Array) -> "DecodeState":
+        """The state after a step from `before.paused(go)`, with `before`'s `done` and `step` unless `go`."""
+        return self.replace(done=jnp.where(go, self.done, before.done), step=jnp.where(go, self.step, before.step))
+
+    def masked(self, go: jax.Array, step: Callable[["DecodeState"], "DecodeState"]) -> "DecodeState":
+        """`step(self)` where `go` [] holds, else a step that appends nothing (`chunks.chunked`'s mask: the
+        K/V it writes past each cache length are never read, as no step follows it)."""
+        return step(self.paused(go)).resumed(self, go)
+
 
 def prefill(model: Llama, prompts: jax.Array, prompt_lens: jax.Array, cache_len: int, mesh=None,
             feature_layers: tuple[int, ...] = ()) -> tuple[ModelOutput, jax.Array]:
@@ -95,12 +110,13 @@ def start_plain(model: Llama, prompts, prompt_lens, budgets, keys, *, sampling: 
     return state.record(sample(logits, step_keys(keys, 0), sampling), budgets, eos_ids)
 
 
-def stream_tokens(stream: Callable | None, state, mesh=None):
+def stream_tokens(stream: Callable | None, state, mesh=None, wrote: jax.Array | None = None):
     """Hand the tokens so far ([B, M] and their counts [B]) to the host callback `stream`, if any, at the
     end of a step: `Generator.generate(on_tokens=...)` shows text as it is written this way. On a mesh
-    they are gathered first (a few ints), and the callback runs once, from the first device."""
+    they are gathered first (a few ints), and the callback runs once, from the first device. `wrote` []:
+    whether any sequence was live at the step's start (the host skips a chunked loop's masked steps)."""
     if stream is not None:
-        shown = (state.tokens, state.num_new)
+        shown = (state.tokens, state.num_new, jnp.asarray(True) if wrote is None else wrote)
         if mesh is not None:
             shown = replicate(shown, mesh)
         io_callback(stream, None, *shown, ordered=True)
@@ -109,8 +125,9 @@ def stream_tokens(stream: Callable | None, state, mesh=None):
 
 def continue_plain(model: Llama, state: DecodeState, budgets, *, sampling: SamplingConfig,
                    eos_ids: tuple[int, ...], max_new: int, cache_len: int,
-                   stream: Callable | None = None, mesh=None) -> DecodeState:
-    """The decoding steps after `start_plain`: one token per sequence per step until all are done."""
+                   stream: Callable | None = None, mesh=None, loop_chunk: int = 1) -> DecodeState:
+    """The decoding steps after `start_plain`: one token per sequence per step until all are done, taken
+    `loop_chunk` at a time (`chunks.chunked`)."""
 
     def cond(s: DecodeState):
         return (s.step < max_new - 1) & ~jnp.all(s.done)
@@ -123,17 +140,17 @@ def continue_plain(model: Llama, state: DecodeState, budgets, *, sampling: Sampl
         s = s.replace(cache=out.cache.advance(~s.done), step=step,
                       finite=s.finite & (jnp.isfinite(logits).all(-1) | s.done))
         return stream_tokens(stream, s.record(sample(logits, step_keys(s.keys, step), sampling), budgets, eos_ids),
-                             mesh)
+                             mesh, ~jnp.all(s.done))
 
-    return jax.lax.while_loop(cond, body, state)
+    return chunked(cond, body, state, loop_chunk, lambda s, go, step: s.masked(go, step))
 
 
 def generate_plain(graphdef, params, prompts, prompt_lens, budgets, keys, *, mesh=None, stream=None,
-                   **static) -> DecodeState:
+                   loop_chunk: int = 1, **static) -> DecodeState:
     """The whole plain generation as one pure function (jit it with the keyword args static)."""
     model = nnx.merge(graphdef, params)
     state = start_plain(model, prompts, prompt_lens, budgets, keys, mesh=mesh, **static)
-    return continue_plain(model, state, budgets, stream=stream, mesh=mesh, **static)
+    return continue_plain(model, state, budgets, stream=stream, mesh=mesh, loop_chunk=loop_chunk, **static)
 
 
 @dataclasses.dataclass
@@ -194,15 +211,17 @@ class Generator:
     """Host-side front of a jitted generation program: padding, buckets, compile cache, trimming.
 
     Subclasses (speculative decoding) supply `_program` and extra static arguments; the padding,
-    budget checks and compile accounting here are shared.
+    budget checks and compile accounting here are shared. `loop_chunk`: decoding steps per chunk of
+    the loop (`chunks.chunked`; 1: a data-dependent `while_loop` step by step), the tokens alike for all.
     """
 
     tree = None  # the draft tree (a speculative generator's `Tree` or `DynamicTree`); None: plain decoding
     draft_vocab = None  # the drafter's `DraftVocab` (None: the whole vocabulary, or no drafter)
 
     def __init__(self, model: Llama, *, max_len: int | None = None, buckets: Sequence[int] = BUCKETS,
-                 mesh: jax.sharding.Mesh | None = None):
+                 mesh: jax.sharding.Mesh | None = None, loop_chunk: int = DEFAULT_LOOP_CHUNK):
         self.model = model
+        self.loop_chunk = check_chunk(loop_chunk)  # decoding steps per chunk of the loop (`chunks.chunked`)
         self.cfg = model.cfg
         self.mesh = mesh
         if mesh is not None:
@@ -265,16 +284,18 @@ class Generator:
         keys = jax.random.split(jax.random.key(seed), b)
         keys = jax.random.key_data(keys)
         static = dict(sampling=sampling, eos_ids=eos, max_new=max_new_tokens,
-                      cache_len=bucket + max_new_tokens + self._slack(), mesh=self.mesh, **self._static())
+                      cache_len=bucket + max_new_tokens + self._slack(), mesh=self.mesh,
+                      loop_chunk=self.loop_chunk, **self._static())
         place = jnp.asarray if self.mesh is None else (lambda x: put_batch(x, self.mesh))
         args = (self.params, *map(place, (padded, lens, budget, keys)))
         return args, static
 
-    def _emit(self, tokens, num_new) -> None:
+    def _emit(self, tokens, num_new, wrote=True) -> None:
         """The programs' host callback (`stream_tokens`): passes the tokens on to `on_tokens` during a timed
-        run (the set-up run streams to nobody). An error there is kept and raised after the run, as an
-        exception cannot cross the device boundary intact."""
-        if self._listener is None or self._listener_error is not None:
+        run (the set-up run streams to nobody), after every step that `wrote` (a chunked loop's masked
+        steps did not). An error there is kept and raised after the run, as an exception cannot cross the
+        device boundary intact."""
+        if self._listener is None or self._listener_error is not None or not bool(wrote):
             return
         try:
             self._listener(np.asarray(tokens)[: self._rows], np.asarray(num_new)[: self._rows])

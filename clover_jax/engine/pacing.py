@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from clover_jax.drafters.base import Committed, Drafter
+from clover_jax.engine.chunks import chunked
 from clover_jax.engine.sampling import BONUS, SamplingConfig, sample, step_keys, use_keys
 from clover_jax.model.cache import causal_mask
 from clover_jax.model.llama import Llama
@@ -54,7 +55,11 @@ def speculate_now(pace: Pace, step_cost: float) -> jax.Array:
 
 
 class Unpaced:
-    """Drafting at every step: no state, and nothing of pacing in the program."""
+    """Drafting at every step: no state, and nothing of pacing in the program; the steps are taken
+    `chunk` at a time, masked past the loop's end (`chunks.chunked`)."""
+
+    def __init__(self, chunk: int = 1):
+        self.chunk = chunk
 
     def start(self, like: Committed) -> None:
         return None
@@ -63,18 +68,21 @@ class Unpaced:
         return pace
 
     def loop(self, cond: Callable, speculative_step: Callable, advance: Callable, state):
-        return jax.lax.while_loop(cond, speculative_step, state)
+        return chunked(cond, speculative_step, state, self.chunk, lambda s, go, step: s.masked(go, step))
 
 
 class Paced:
     """Drafting only while it pays for `step_cost` (the module docstring), plain steps otherwise.
 
     `advance(s, cache, bonus, emitted, count, logits)` records a step of either kind (the speculative
-    loop's own): here, one plain step's token and K/V."""
+    loop's own): here, one plain step's token and K/V. Each run of steps is taken `chunk` steps at a time,
+    a step past the run's end skipped by a `lax.cond` (`chunks.chunked`): a run often lasts a step or
+    two, and a masked step would cost a whole one."""
 
     def __init__(self, step_cost: float, base: Llama, drafter: Drafter, *, sampling: SamplingConfig,
-                 cache_len: int):
+                 cache_len: int, chunk: int = 1):
         self.step_cost = step_cost
+        self.chunk = chunk
         self.base = base
         self.drafter = drafter
         self.sampling = sampling
@@ -129,14 +137,15 @@ class Paced:
 
         def run(drafting: bool):
             keep = lambda s: cond(s) & (speculate_now(s.pace, self.step_cost) == drafting)
-            return lambda s: jax.lax.while_loop(keep, speculative_step if drafting else plain_step, s)
+            return lambda s: chunked(keep, speculative_step if drafting else plain_step, s, self.chunk)
 
         return self.flush(jax.lax.while_loop(cond, lambda s: run(False)(run(True)(self.flush(s))), state))
 
 
 def pacer(step_cost: float | None, base: Llama, drafter: Drafter, *, sampling: SamplingConfig,
-          cache_len: int) -> Unpaced | Paced:
-    """The pacer for `step_cost` (a speculative step's cost in plain steps; None: draft at every step)."""
+          cache_len: int, chunk: int = 1) -> Unpaced | Paced:
+    """The pacer for `step_cost` (a speculative step's cost in plain steps; None: draft at every step),
+    taking its steps `chunk` at a time."""
     if step_cost is None:
-        return Unpaced()
-    return Paced(step_cost, base, drafter, sampling=sampling, cache_len=cache_len)
+        return Unpaced(chunk)
+    return Paced(step_cost, base, drafter, sampling=sampling, cache_len=cache_len, chunk=chunk)

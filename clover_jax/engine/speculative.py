@@ -69,6 +69,12 @@ class SpecState:
     node_hits: jax.Array | None  # [B, N] speculative steps whose accepted path holds node i (static trees)
     pace: pacing.Pace | None  # the pacer's state; None: every step drafts
 
+    def masked(self, go: jax.Array, step) -> "SpecState":
+        """`step(self)` where `go` [] holds, else one that appends nothing (`DecodeState.masked`): every
+        sequence is done in it, and the histograms count live sequences only."""
+        after = step(self.replace(plain=self.plain.paused(go)))
+        return after.replace(plain=after.plain.resumed(self.plain, go))
+
     @property
     def plain_steps(self) -> jax.Array:
         """[B] steps each sequence took without drafting (pacing's); zero when every step drafts."""
@@ -154,13 +160,15 @@ def compact(cache: KVCache, path: jax.Array) -> KVCache:
 
 def generate_speculative(graphdefs: SpecGraph, params: SpecParams, prompts, prompt_lens, budgets, keys, *,
                          tree: Tree | DynamicTree, sampling: SamplingConfig, eos_ids: tuple[int, ...], max_new: int,
-                         cache_len: int, mesh=None, stream=None, step_cost: float | None = None) -> SpecState:
+                         cache_len: int, mesh=None, stream=None, step_cost: float | None = None,
+                         loop_chunk: int = 1) -> SpecState:
     """Speculative generation as one pure function (jit with the keyword args static); stream: a host
     callback given the tokens after each step (`decode.stream_tokens`); step_cost: a speculative step's
-    cost in plain steps, to pace drafting by (`pacing`), or None to draft at every step."""
+    cost in plain steps, to pace drafting by (`pacing`), or None to draft at every step; loop_chunk: steps
+    per chunk of the loop (`chunks.chunked`)."""
     base = nnx.merge(graphdefs.base, params.base)
     drafter: Drafter = nnx.merge(graphdefs.drafter, params.drafter)
-    pacer = pacing.pacer(step_cost, base, drafter, sampling=sampling, cache_len=cache_len)
+    pacer = pacing.pacer(step_cost, base, drafter, sampling=sampling, cache_len=cache_len, chunk=loop_chunk)
     b, depth = prompts.shape[0], tree.max_depth
     rows = jnp.arange(b)
     layers = drafter.feature_layers
@@ -193,7 +201,7 @@ def generate_speculative(graphdefs: SpecGraph, params: SpecParams, prompts, prom
         p = p.replace(cache=cache.advance(jnp.where(live, count, 0)), last=jnp.where(live, bonus, p.last),
                       step=p.step + 1, finite=p.finite & (jnp.isfinite(logits).all(-1) | p.done))
         s = s.replace(plain=p.append(emitted, count, budgets, eos_ids))
-        stream_tokens(stream, s.plain, mesh)
+        stream_tokens(stream, s.plain, mesh, jnp.any(live))
         return s
 
     def speculative_step(s: SpecState) -> SpecState:
