@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from clover_jax.engine.chunks import DEFAULT_LOOP_CHUNK
 from clover_jax.engine.decode import BUCKETS, GenerationOutput, Generator
 from clover_jax.engine.sampling import SamplingConfig
 from clover_jax.errors import CloverError
@@ -114,7 +115,7 @@ class Model:
                   tree="auto", temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                   draft_temperature: float = 1.0, draft_vocab: str | int | None = "auto",
                   step_cost: str | float | None = "auto", max_len: int | None = None,
-                  buckets=BUCKETS) -> TextGenerator:
+                  buckets=BUCKETS, loop_chunk: int = DEFAULT_LOOP_CHUNK) -> TextGenerator:
         """A generator: plain decoding (method "plain", the default) or speculative decoding with a
         draft method's `heads` (what `drafter` takes, or a drafter it returned, whose method is then the
         default). Each setting is `infer.generate`'s flag of the same name: `tree` a `--tree` spec
@@ -122,7 +123,8 @@ class Model:
         `top_p`, `top_k` and `draft_temperature` the sampling; `draft_vocab` the tokens drafted from
         (`--draft-vocab`: "auto", N, 0 for all); `step_cost` the pacing (`--step-cost`: "auto", "none",
         a number); `max_len` the KV cache positions (default: the model's max_position_embeddings);
-        `buckets` the prompt lengths compiled for. Tree "auto" with heads no chain of which pays on this
+        `buckets` the prompt lengths compiled for; `loop_chunk` the decoding steps per chunk of the
+        loop (`--loop-chunk`: the tokens are the same for every value, the speed may differ). Tree "auto" with heads no chain of which pays on this
         machine gives plain decoding (`TextGenerator.speculative` says which)."""
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p,
                                   draft_temperature=draft_temperature)
@@ -133,7 +135,7 @@ class Model:
             drafter = None if method == "plain" else self.drafter(method, heads)
         engine = factory.make_generator(self.module, method, drafter=drafter, tree=tree, max_len=max_len,
                                         mesh=self.mesh, draft_vocab=draft_vocab, greedy=sampling.greedy,
-                                        buckets=buckets, step_cost=step_cost)
+                                        buckets=buckets, step_cost=step_cost, loop_chunk=loop_chunk)
         return TextGenerator(model=self, engine=engine, method=method, sampling=sampling)
 
 

@@ -37,7 +37,7 @@ METHODS = ("medusa", "clover", "clover2", "eagle", "eagle3")
 # its switch for XLA's command-buffer (CUDA graph) loops. Where the benchmark lacks the switch, the same
 # XLA flag is set through XLA_FLAGS instead; where it lacks the chunk flag, that A/B is skipped.
 LOOP_CHUNK_FLAG = "--loop-chunk"
-COMMAND_BUFFER_FLAG = "--xla-command-buffer"
+COMMAND_BUFFER_FLAG = "--command-buffer"
 COMMAND_BUFFER_XLA = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
 LOOP_CHUNKS = (1, 8, 32)
 
@@ -95,6 +95,9 @@ def plan(dry: bool, stage: Path, flags: set[str] | None = None) -> list[Run]:
         runs.append(run("loop-cmdbuf", "bfloat16", "0", "1", ab + [COMMAND_BUFFER_FLAG], 15))
     else:
         runs.append(run("loop-cmdbuf", "bfloat16", "0", "1", ab, 15, env={"XLA_FLAGS": COMMAND_BUFFER_XLA}))
+    if LOOP_CHUNK_FLAG in flags and COMMAND_BUFFER_FLAG in flags:  # command buffers with each chunk but 1's
+        runs += [run(f"loop-cmdbuf-k{k}", "bfloat16", "0", "1", ab + [LOOP_CHUNK_FLAG, str(k), COMMAND_BUFFER_FLAG],
+                     15) for k in LOOP_CHUNKS if k != 1]
     runs += [run("smollm2-bf16-sampled-b1", "bfloat16", "1", "1", trees, 80),
              run("smollm2-bf16-b8", "bfloat16", "0,1", "8", trees, 50),
              run("smollm2-f32-sampled-b1", "float32", "1", "1", trees, 85),

@@ -47,7 +47,7 @@ from clover_jax.plan.factory import METHODS, LoadedDrafter, drafting_plan, load_
 from clover_jax.trees.static import Tree
 from clover_jax.trees.fit import fit_to_hits
 import cli
-from infer import report
+from infer import loop_flags, report
 from infer.bandwidth import SAMPLE_PROMPTS, BandwidthProbe, plain_efficiency, plain_phases
 from cli.conversation import answer_turns, record_turns
 from infer.profiling import profile_folder, profile_ops
@@ -153,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the time of 1, for tau on a slow machine, with noisier speedups (compiling and each "
                         "program's set-up run stay out of the times either way) (default: %(default)s)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="dtype of weights and activations (default: %(default)s)")
+    loop_flags.add_loop_chunk(p)
+    loop_flags.add_command_buffer(p)
     p.add_argument("--hf", action="store_true", help="also run Hugging Face transformers generate (PyTorch) on the same model and prompts")
     p.add_argument("--shape", choices=tuple(SHAPES),
                    help="also time plain and speculative steps of this architecture with random weights (bfloat16; "
@@ -425,6 +427,7 @@ def _benchmark(args: argparse.Namespace) -> int:
             raise CloverError(f"{flag} {value} must be >= 1")
     if args.repeats < 0:
         raise CloverError(f"--repeats {args.repeats} must be >= 0 (0: time the warm-up pass alone)")
+    loop_flags.check_loop_chunk(args)
     SamplingConfig(draft_temperature=args.draft_temperature)  # a bad value is one line before anything loads
     draft_vocabs = list(dict.fromkeys(str(parse_size(v)) for v in args.draft_vocab.split(",") if v.strip())) or ["auto"]
     costs = list(dict.fromkeys(v.strip() for v in args.step_cost.split(",") if v.strip())) or ["auto"]
@@ -496,7 +499,8 @@ def _benchmark(args: argparse.Namespace) -> int:
                 for method, spec, dv, cost in configs:
                     generators[label(method, paced(spec, cost), draft_vocab=dv)] = make_generator(
                         model, "plain" if spec == PLAIN else method, drafter=drafters.get(method), tree=spec,
-                        mesh=mesh, draft_vocab=dv, greedy=sampling.greedy, buckets=buckets, step_cost=cost)
+                        mesh=mesh, draft_vocab=dv, greedy=sampling.greedy, buckets=buckets, step_cost=cost,
+                        loop_chunk=args.loop_chunk)
                 measured = run_engines(generators, prompts, b, args.max_new_tokens, args.repeats, progress,
                                        sampling, args.seed, tasks, answer_eos)
                 if args.profile and b == sizes[0] and temp == temps[0]:
@@ -585,7 +589,12 @@ def _benchmark(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.command = "python -m infer.benchmark " + shlex.join(sys.argv[1:] if argv is None else argv)
-    return cli.run_main(lambda: _benchmark(args))
+
+    def run() -> int:
+        loop_flags.use_command_buffer(args.command_buffer)  # into XLA_FLAGS, before JAX's backend starts
+        return _benchmark(args)
+
+    return cli.run_main(run)
 
 
 if __name__ == "__main__":

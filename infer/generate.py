@@ -27,6 +27,7 @@ from clover_jax.plan.factory import METHODS, make_generator
 import cli
 from cli.conversation import answer_turns, record_turns
 from cli.stream import StreamPrinter
+from infer.loop_flags import add_loop_chunk, check_loop_chunk
 
 EPILOG = """\
 examples:
@@ -129,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, metavar="N",
                    help="KV cache positions: prompt plus new tokens must fit "
                         "(default: the model's max_position_embeddings)")
+    add_loop_chunk(p)
     p.add_argument("--batch-size", type=int, metavar="N",
                    help="prompts of --prompts generated together in one batch; a last, smaller batch is filled "
                         "to this size, so it needs no program of its own (default: 8; 1 with --stream)")
@@ -316,7 +318,8 @@ def _generate(args: argparse.Namespace) -> int:
     _, model = load_pretrained(path, dtype=DTYPES[args.dtype], mesh=mesh)
     generator = make_generator(model, args.method, model_path=args.model, heads=args.heads, tree=args.tree,
                                num_heads=args.num_heads, max_len=args.max_len, seed=args.seed, mesh=mesh,
-                               draft_vocab=args.draft_vocab, greedy=sampling.greedy, step_cost=args.step_cost)
+                               draft_vocab=args.draft_vocab, greedy=sampling.greedy, step_cost=args.step_cost,
+                               loop_chunk=check_loop_chunk(args))
     if args.interactive:
         if sys.stdin.isatty():
             print("chat: type a message and press Enter; Ctrl-D ends", file=sys.stderr)

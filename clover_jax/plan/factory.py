@@ -17,6 +17,7 @@ from clover_jax.drafters import registry
 from clover_jax.drafters.base import Drafter
 from clover_jax.drafters.heads import HeadsConfig, make_heads
 from clover_jax.drafters.vocab import DraftVocab
+from clover_jax.engine.chunks import DEFAULT_LOOP_CHUNK
 from clover_jax.engine.decode import BUCKETS, Generator
 from clover_jax.engine.speculative import SpeculativeGenerator
 from clover_jax.errors import CloverError
@@ -115,22 +116,24 @@ def drafting_plan(model: Llama, method: str, *, drafter: LoadedDrafter | None = 
 def make_generator(model: Llama, method: str, *, drafter: LoadedDrafter | None = None, model_path=None,
                    heads: str | Path | None = None, tree=None, num_heads: int | None = None,
                    max_len: int | None = None, seed: int = 0, mesh=None, draft_vocab: str | int | None = "auto",
-                   greedy: bool = True, buckets=BUCKETS, step_cost: str | float | None = "auto") -> Generator:
+                   greedy: bool = True, buckets=BUCKETS, step_cost: str | float | None = "auto",
+                   loop_chunk: int = DEFAULT_LOOP_CHUNK) -> Generator:
     """The generator for `method`: plain, or a speculative one with its drafter (`drafter`, already
     loaded, else `load_drafter`'s from `model_path`, `heads`, `num_heads` and `seed`), its tree (a spec
     or a `Tree`; None for the method's default), its draft vocabulary (a `--draft-vocab` value; `greedy`
     says which `auto` means) and its pacing (a `--step-cost` value), as `plan_tree` plans them;
-    `buckets` are the prompt lengths it pads to (`Generator`). Tree `auto` with heads no chain of which
+    `buckets` are the prompt lengths it pads to and `loop_chunk` the decoding steps per chunk of its loop
+    (`Generator`; `chunks.chunked`). Tree `auto` with heads no chain of which
     pays here (PLAIN) gives a plain generator: drafting would only slow it."""
     if max_len is not None and max_len < 2:
         raise CloverError(f"--max-len {max_len} must be >= 2 (a prompt token plus a new one)")
     if method == "plain":
-        return Generator(model, max_len=max_len, mesh=mesh, buckets=buckets)
+        return Generator(model, max_len=max_len, mesh=mesh, buckets=buckets, loop_chunk=loop_chunk)
     drafter = _drafter_for(model, method, drafter, model_path=model_path, heads=heads, num_heads=num_heads, seed=seed)
     vocab = drafter.vocab(model, draft_vocab, greedy)
     spec, cost = plan_tree(model, drafter, vocab, tree=tree, greedy=greedy, step_cost=step_cost, mesh=mesh)
     if spec == PLAIN:
-        return Generator(model, max_len=max_len, mesh=mesh, buckets=buckets)
+        return Generator(model, max_len=max_len, mesh=mesh, buckets=buckets, loop_chunk=loop_chunk)
     drafted = resolve_tree(spec, method, drafter.num_heads, fitted_tree=drafter.fitted_tree())
     return SpeculativeGenerator(model, drafter.drafter, drafted, max_len=max_len,
-                                buckets=buckets, mesh=mesh, draft_vocab=vocab, step_cost=cost)
+                                buckets=buckets, mesh=mesh, draft_vocab=vocab, step_cost=cost, loop_chunk=loop_chunk)
