@@ -25,10 +25,8 @@ import dataclasses
 import shlex
 import statistics
 import sys
-import time
 from pathlib import Path
 
-import numpy as np
 from tqdm import tqdm
 
 from clover_jax.drafters import registry
@@ -44,14 +42,14 @@ from clover_jax.api import DTYPES
 from clover_jax.engine.sampling import SamplingConfig
 from clover_jax.plan.auto import PLAIN
 from clover_jax.plan.factory import METHODS, LoadedDrafter, drafting_plan, load_drafter, make_generator
-from clover_jax.trees.static import Tree
-from clover_jax.trees.fit import fit_to_hits
 import cli
 from infer import loop_flags, report
 from infer.bandwidth import SAMPLE_PROMPTS, BandwidthProbe, plain_efficiency, plain_phases
-from cli.conversation import answer_turns, record_turns
 from infer.profiling import profile_folder, profile_ops
 from infer.report import Row, label
+from infer.fitting import check_fit_source, fit_from_run
+from infer.hf_peer import ended_at, run_hf
+from infer.turns import with_later_turns
 from infer.tasks import first_of_each_task, per_task, task_speedups, tasks_of
 from infer.shapes import SHAPES, project, shape_step_times
 from clover_jax.io import tokenization
@@ -281,92 +279,6 @@ def run_engines(generators: dict[str, Generator], prompts: list[list[int]], batc
     return results
 
 
-def with_later_turns(model, tokenizer, prompts: list[list[int]], records: list[tuple[dict, str]],
-                     systems: list[str | None], max_new: int, eos: tuple[int, ...], batch_size: int,
-                     mesh=None, buckets=BUCKETS) -> tuple[list[list[int]], list[int]]:
-    """The first turns' prompts, then each record's later turns' (Spec-Bench's second MT-Bench question,
-    ShareGPT's later human turns), with the index of each prompt's record: a later turn is asked after
-    the conversation so far, as Spec-Bench asks it, its earlier answers plain greedy decoding's, up to
-    EOS or `max_new` tokens (`answer_turns`). The answers come from a generator of their own, so the
-    measured ones compile and count only theirs; a conversation whose next prompt would not leave
-    `max_new` tokens of room ends there."""
-    gen = Generator(model, mesh=mesh, buckets=buckets)
-    users = [record_turns(record, where)[0] for record, where in records]
-
-    def answer(batch: list[list[int]], turn: int) -> list[list[int]]:
-        out = []
-        groups = cli.batches(batch, batch_size)
-        for group in tqdm(groups, desc=f"turn {turn + 1}'s answers by plain greedy decoding, to ask the next",
-                          unit="batch", file=sys.stderr, dynamic_ncols=True):
-            out += gen.generate(group, max_new, eos_ids=eos, batch_size=batch_size).tokens
-        return out
-
-    turns = answer_turns(answer, tokenizer, users, systems, prompts, eos, gen.max_len - max_new + 1,
-                         [where for _, where in records], last=False)
-    later = [(ids, i) for i, conversation in enumerate(turns) for ids, _, _ in conversation[1:]]
-    return prompts + [ids for ids, _ in later], list(range(len(prompts))) + [i for _, i in later]
-
-
-def run_hf(path: Path, prompts: list[list[int]], batch_size: int, max_new: int, repeats: int, dtype: str,
-           progress, tasks: list[str | None] | None = None,
-           eos: tuple[int, ...] = ()) -> dict[str, tuple[dict, list[list[int]]]]:
-    """`transformers` greedy generate on the same checkpoint and token ids; with batch 1 also prompt
-    lookup decoding (HF's assisted generation without a draft model). With `tasks`, also `per_task`;
-    with `eos`, each answer ends at the first of them (else it runs to `max_new`)."""
-    try:
-        import torch
-        from transformers import AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
-    except ImportError:
-        raise CloverError("--hf needs PyTorch: pip install torch") from None
-    hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=getattr(torch, dtype), use_safetensors=True, trust_remote_code=False, local_files_only=True)
-    model.eval()
-    modes = {"hf-generate": {}}
-    if batch_size == 1:
-        modes["hf-prompt-lookup"] = {"prompt_lookup_num_tokens": 10}
-    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    stop = dict(eos_token_id=list(eos)) if eos else dict(min_new_tokens=max_new)
-    results = {}
-    for name, extra in modes.items():
-        seconds, tokens = [], []  # per timed pass, per batch
-        for rep in range(repeats + 1):
-            run_s = []
-            for start in range(0, len(prompts), batch_size):
-                group = prompts[start:start + batch_size]
-                width = max(len(p) for p in group)
-                ids = torch.tensor([[pad] * (width - len(p)) + p for p in group])  # left padding
-                mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
-                t0 = time.perf_counter()
-                with torch.no_grad():
-                    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
-                                         do_sample=False, pad_token_id=pad, **stop, **extra)
-                run_s.append(time.perf_counter() - t0)
-                progress.update(1)
-                if rep == 0:  # a row that ended early is padded after its EOS
-                    tokens += [up_to_eos(row[width:].tolist(), eos) for row in out]
-            if rep or not repeats:
-                seconds.append(run_s)
-        new = sum(len(t) for t in tokens)
-        stats = dict(tokens_per_s=new / statistics.median(sum(p) for p in seconds), new_tokens=new,
-                     at_eos=ended_at(tokens, eos))
-        if tasks:
-            stats["per_task"] = per_task(tasks, [len(t) for t in tokens], None, seconds, batch_size)
-        results[name] = (stats, tokens)
-    return results
-
-
-def ended_at(answers: list[list[int]], eos: tuple[int, ...]) -> int | None:
-    """How many of `answers` ended at one of `eos` (None without them: every answer ran to the budget)."""
-    return sum(1 for a in answers if a and a[-1] in eos) if eos else None
-
-
-def up_to_eos(tokens: list[int], eos: tuple[int, ...]) -> list[int]:
-    """`tokens` up to and including the first of `eos`."""
-    return next((tokens[: i + 1] for i, t in enumerate(tokens) if t in eos), tokens)
-
-
 def _check_outputs(args: argparse.Namespace) -> None:
     """Refuse paths that --json, --plot and --profile could not write to before anything is timed, so a
     bad path fails at once rather than after the whole run."""
@@ -383,34 +295,6 @@ def _check_outputs(args: argparse.Namespace) -> None:
         cli.check_output_file(args.tree_out, "--tree-out")
     if args.profile:
         cli.check_output_dir(args.profile, "--profile")
-
-
-def check_fit_source(tree, num_nodes: int) -> None:
-    """Before the run: --fit-tree needs the drafting row's tree static and at least `num_nodes` large."""
-    if not isinstance(tree, Tree):
-        raise CloverError("--fit-tree: a dynamic tree's nodes are other paths every step; draft a static tree "
-                          "with --tree, such as a larger one fitted by train.evaluate --fit-tree")
-    if tree.num_nodes < num_nodes:
-        raise CloverError(f"--fit-tree {num_nodes}: the run's tree has {tree.num_nodes} nodes; fit fewer, or "
-                          "draft a larger tree")
-
-
-def fit_from_run(fitted_from: tuple[Row, Tree], num_nodes: int, out: str, prompts: str) -> None:
-    """--fit-tree: the `num_nodes`-node tree the run's accepted paths favour, written to `out`, and what
-    it would have accepted on the run's own steps beside what the run's tree did."""
-    row, tree = fitted_from
-    hits = np.asarray(row.node_hits)
-    fitted = fit_to_hits(tree, hits, num_nodes)
-    fitted.to_file(out, fitted_on=prompts, method=row.method, from_tree=row.tree, temperature=row.temperature,
-                   batch_size=row.batch_size, steps=int(hits[0]))
-
-    def on_steps(kept: Tree) -> float:  # tokens per drafting step, the bonus token included
-        held = set(kept.paths)
-        return 1 + sum(int(h) for p, h in zip(tree.paths, hits[1:]) if p in held) / max(int(hits[0]), 1)
-
-    print(f"\nfitted tree ({fitted.num_nodes} nodes, depth {fitted.max_depth}) written to {out}: on this run's "
-          f"{hits[0]} drafting steps it accepts {on_steps(fitted):.3f} tokens a step, the run's tree "
-          f"({tree.num_nodes} nodes) {on_steps(tree):.3f}")
 
 
 def _benchmark(args: argparse.Namespace) -> int:
