@@ -34,7 +34,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 FLAGS = ("--model", "--prompt", "--prompts", "--chat", "--method", "--max-new-tokens", "--temperature",
          "--top-p", "--top-k", "--draft-temperature", "--seed", "--dtype", "--max-len", "--batch-size", "--json",
          "--heads", "--tree", "--draft-vocab", "--num-heads", "--mesh", "--coordinator", "--num-processes", "--process-id",
-         "--stream", "--system", "--interactive", "--compile-cache", "--chat-template", "--turns", "--step-cost")
+         "--stream", "--system", "--interactive", "--compile-cache", "--chat-template", "--turns", "--step-cost",
+         "--loop-chunk")
 STATS = re.compile(r"^\[(plain|medusa|clover|clover2)\]( tree=\d+ nodes, depth \d+, drafting from (all|\d+) tokens"
                    r"(, paced at [\d.]+ plain steps: drafted in \d+/\d+ steps)?"
                    r"| plain decoding \(tree auto: no chain of these heads is modelled to beat it here\))? "

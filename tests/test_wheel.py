@@ -56,7 +56,7 @@ def test_the_wheel_carries_the_shipped_models_and_heads_and_not_the_distillation
               "special_tokens_map.json", "prompts.jsonl", "MODEL_CARD.md"]:
         assert f"{SHIPPED}/reference/{f}" in names, f
     for model in MODELS:
-        for method in registry.names():
+        for method in registry.BUILT_IN:
             for f in ["heads.json", "heads.safetensors", "token_counts.safetensors"]:
                 assert f"{SHIPPED}/{model}/heads/{method}/{f}" in names, (model, method, f)
     # Every file of the checkout's shipped folders, and nothing of smollm2's training data.
