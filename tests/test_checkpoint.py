@@ -119,6 +119,23 @@ def test_draft_ids_outside_the_vocabulary_are_one_clear_line(base, tmp_path):
     _one_line(err)
 
 
+def test_eagle3_heads_name_their_feature_layers_and_old_ones_keep_theirs(base, tmp_path):
+    """New EAGLE-3 heads draft from the authors' layers and heads.json says so; a heads.json written
+    before it named them loads with the layers those heads were trained on (one higher)."""
+    from clover_jax.model.llama import eagle3_layers, legacy_eagle3_layers
+
+    save_heads(make_heads(HeadsConfig("eagle3", 2), base), base, tmp_path)
+    meta = json.loads((tmp_path / CONFIG).read_text())
+    layers = eagle3_layers(base.cfg.num_layers)
+    assert meta["heads"]["aux_layer_ids"] == list(layers) and load_heads(tmp_path, base).feature_layers == layers
+    del meta["heads"]["aux_layer_ids"]
+    (tmp_path / CONFIG).write_text(json.dumps(meta))
+    assert load_heads(tmp_path, base).feature_layers == legacy_eagle3_layers(base.cfg.num_layers)
+    with pytest.raises(CloverError, match="aux_layer_ids .* layers the .*-layer base model does not have") as err:
+        make_heads(HeadsConfig("eagle3", 2, aux_layer_ids=(0, 1, base.cfg.num_layers)), base)
+    _one_line(err)
+
+
 def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
     """files.atomic_path: the file is replaced only by a write that finished; one that raised (an error, a
     Ctrl-C) leaves what was there, and no NAME.tmp beside it."""

@@ -14,7 +14,7 @@ from flax import nnx
 from clover_jax.model import layers
 from clover_jax.model.cache import causal_mask, tree_mask
 from clover_jax.model.config import ModelConfig, rope_inv_freq
-from clover_jax.model.llama import Llama, causal_self_mask, low_mid_high
+from clover_jax.model.llama import Llama, causal_self_mask, eagle3_layers, legacy_eagle3_layers
 from conftest import FAMILY_NAMES, hf_logits, random_tokens
 
 TOL = 1e-4
@@ -110,7 +110,9 @@ def test_layer_features_match_hf(loaded, family):
     assert max_diff(out.features[:, :, 0], ref[1].numpy()) <= TOL  # HF's last entry is normed: not layer 1's
     assert max_diff(out.features[:, :, 1], out.hidden) == 0.0 and max_diff(out.features[:, :, 2], out.hidden) == 0.0
     assert max_diff(out.logits, plain.logits) <= 1e-5  # two programs: float32 rounding apart
-    assert low_mid_high(32) == (2, 16, 29) and low_mid_high(2) == (1, 1, 0)
+    # EAGLE-3's layers as its authors name them (outputs of 1, L/2-1, L-4: HF hidden_states 2, L/2, L-3)
+    assert eagle3_layers(30) == (1, 14, 26) and eagle3_layers(32) == (1, 15, 28) and eagle3_layers(2) == (1, 0, 0)
+    assert legacy_eagle3_layers(32) == (2, 16, 29) and legacy_eagle3_layers(2) == (1, 1, 0)
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)

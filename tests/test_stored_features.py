@@ -11,7 +11,7 @@ from flax import nnx
 
 from clover_jax.io.hf import load_pretrained
 from clover_jax.drafters.heads import HeadsConfig, make_heads
-from clover_jax.model.llama import causal_self_mask, low_mid_high
+from clover_jax.model.llama import causal_self_mask, eagle3_layers
 from conftest import tiny_llama_checkpoint
 from train import make_data, train
 from train.data import HeadDataset
@@ -19,7 +19,7 @@ from train.data import HeadDataset
 RECORDS = [{"prompt": "def add(a, b):", "response": "\n    return a + b\n"},
            {"prompt": "class Point:", "response": "\n    def __init__(self, x):\n        self.x = x\n" * 3},
            {"prompt": "import os", "response": "\nprint(os.getcwd())"}]
-LAYERS = 7  # low_mid_high(7) = (2, 3, 4): three different layers
+LAYERS = 7  # eagle3_layers(7) = (1, 2, 3): three different layers
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def data_dirs(model_dir, tmp_path_factory):
 
 def test_stored_features_are_the_inner_layers_of_one_forward(model_dir, data_dirs):
     model = load_pretrained(model_dir)[1]
-    layers = low_mid_high(LAYERS)
+    layers = eagle3_layers(LAYERS)
     data = HeadDataset(data_dirs["features"])
     assert data.feature_layers == layers
     assert json.loads((data_dirs["features"] / "meta.json").read_text())["feature_layers"] == list(layers)

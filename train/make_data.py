@@ -27,7 +27,7 @@ The output directory (`train.data.HeadDataset` reads it):
                  'V2' records: view it as `ml_dtypes.bfloat16`): the base model's last hidden state
                  before the final norm at every token, from one causal forward over the whole example
   features.npy   [N, 3, D] (with --store-features, in the --store-hidden dtype): the outputs of the low,
-                 middle and high decoder layers EAGLE-3 drafts from (`model.low_mid_high`), from the
+                 middle and high decoder layers EAGLE-3 drafts from (`model.llama.eagle3_layers`: the authors' outputs of 1, L/2-1, L-4), from the
                  same forward; meta.json's feature_layers names them
   meta.json      written last, so a directory without it is not a finished dataset
 The dataset is built in the sibling folder OUT.building and swapped into OUT when whole: a dataset
@@ -56,7 +56,7 @@ from clover_jax.io.hf import load_pretrained
 from clover_jax.engine.decode import Generator
 from clover_jax.errors import CloverError
 from clover_jax.io.files import space_errors
-from clover_jax.model.llama import Llama, low_mid_high
+from clover_jax.model.llama import Llama, eagle3_layers
 from clover_jax.engine.sampling import SamplingConfig
 import cli
 from cli.conversation import answer_turns, encode_conversation, masked_ids, record_turns
@@ -386,7 +386,7 @@ def make_data(args: argparse.Namespace) -> int:
     mask = np.concatenate([np.asarray(m, np.uint8) for _, m in examples])
     offsets = np.concatenate([[0], np.cumsum([len(ids) for ids, _ in examples])]).astype(np.int64)
     hidden_dtype = None if args.store_hidden == "none" else args.store_hidden
-    feature_layers = low_mid_high(cfg.num_layers) if args.store_features else ()
+    feature_layers = eagle3_layers(cfg.num_layers) if args.store_features else ()
     fingerprint = base_fingerprint(model)
     row = 0 if hidden_dtype is None else (1 + len(feature_layers)) * cfg.hidden_size * HIDDEN_DTYPES[hidden_dtype].itemsize
     need = dataset_bytes(len(tokens), len(examples), row)

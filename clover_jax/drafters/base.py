@@ -51,6 +51,9 @@ class HeadsConfig:
     embed_source: str = "lm_head"  # Clover-2's token embedding: "lm_head" (frozen copy) or "input"
     noise: float = 0.01  # scale of the uniform noise added to identity initialisations
     draft_vocab: int = 0  # EAGLE-3: the tokens its own lm_head scores (0: the whole vocabulary)
+    # EAGLE-3: the base decoder layers whose outputs (0-based) it fuses, as the checkpoint formats name
+    # them (`eagle_aux_hidden_state_layer_ids`); None: the authors' default, `llama.eagle3_layers(L)`.
+    aux_layer_ids: tuple[int, ...] | None = None
 
     def __post_init__(self):
         from clover_jax.drafters import registry  # the registry names the drafter classes: imported late
@@ -60,6 +63,11 @@ class HeadsConfig:
             raise CloverError(f"num_heads={self.num_heads} must be >= 1")
         if self.draft_vocab < 0:
             raise CloverError(f"draft_vocab={self.draft_vocab} must be >= 0 (0: the whole vocabulary)")
+        if self.aux_layer_ids is not None:
+            ids = self.aux_layer_ids
+            if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
+                raise CloverError(f"aux_layer_ids={ids!r} must be a list of decoder layer indices (0-based)")
+            object.__setattr__(self, "aux_layer_ids", tuple(ids))
         if self.embed_source not in ("lm_head", "input"):
             raise CloverError(f"embed_source={self.embed_source!r} must be 'lm_head' or 'input'")
 

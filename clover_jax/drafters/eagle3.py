@@ -5,6 +5,8 @@ every step of the training-time test against the base distribution over that voc
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,14 +18,14 @@ from clover_jax.drafters.losses import base_distribution, masked_mean, shift_lef
 from clover_jax.drafters.vocab import DraftVocab
 from clover_jax.errors import CloverError
 from clover_jax.model.layers import Linear, RMSNorm
-from clover_jax.model.llama import Llama, low_mid_high
+from clover_jax.model.llama import Llama, eagle3_layers
 
 EAGLE3_DECAY = 0.8  # training-time test step k weighted 0.8^k (the authors' main.py)
 
 
 class Eagle3(EagleDrafter):
     """EAGLE-3: committed features g = FC([low; mid; high]) (3D -> D, no bias) of the base layers
-    `low_mid_high(L)`; attention reads [input_norm(E(x)); hidden_norm(g)] (2D), g the residual; a
+    hcfg.aux_layer_ids (default `eagle3_layers(L)`, the authors' outputs of 1, L // 2 - 1, L - 4); attention reads [input_norm(E(x)); hidden_norm(g)] (2D), g the residual; a
     draft entry's g is its parent's output. Scored by a norm and lm_head of its own over the draft
     vocabulary `ids` (hcfg.draft_vocab tokens, 0: all; `set_vocab` picks them), initialised from the
     base model's final norm and lm_head rows."""
@@ -33,8 +35,13 @@ class Eagle3(EagleDrafter):
     def __init__(self, hcfg, base: Llama, *, rngs: nnx.Rngs):
         cfg, dtype, d = base.cfg, base.dtype, base.cfg.hidden_size
         super().__init__(hcfg, base, DraftLayer(cfg, 2 * d, dtype=dtype, rngs=rngs))
-        self.feature_layers = low_mid_high(cfg.num_layers)
-        self.fc = Linear(3 * d, d, ("embed", "embed_out"), dtype=dtype, rngs=rngs)
+        layers = hcfg.aux_layer_ids or eagle3_layers(cfg.num_layers)
+        if max(layers) >= cfg.num_layers:
+            raise CloverError(f"EAGLE-3 aux_layer_ids {list(layers)} name layers the {cfg.num_layers}-layer base "
+                              "model does not have; these heads belong to a deeper model")
+        self.feature_layers = tuple(layers)
+        self.hcfg = dataclasses.replace(hcfg, aux_layer_ids=self.feature_layers)  # heads.json names them
+        self.fc = Linear(len(layers) * d, d, ("embed", "embed_out"), dtype=dtype, rngs=rngs)
         self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps, dtype)
         self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
         self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype)

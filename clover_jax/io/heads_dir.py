@@ -34,7 +34,7 @@ from clover_jax.drafters.vocab import DraftVocab, ranking, resolve_size
 from clover_jax.errors import CloverError
 from clover_jax.io.files import check_free_space, check_whole, replace_together, space_errors
 from clover_jax.model.layers import from_stored, stored_parts, to_stored
-from clover_jax.model.llama import Llama
+from clover_jax.model.llama import Llama, legacy_eagle3_layers
 from clover_jax.trees.static import Tree
 
 WEIGHTS = "heads.safetensors"
@@ -230,7 +230,11 @@ def load_draft_vocab(heads_dir: str | Path | None, base: Llama, spec: str | int 
 def load_heads(heads_dir: str | Path, base: Llama, method: str | None = None) -> Drafter:
     """Load heads for `base`; refuses heads of another method or trained for another base model."""
     meta = read_heads_config(heads_dir)
-    hcfg = HeadsConfig(**meta["heads"])
+    fields = dict(meta["heads"])
+    if fields["method"] == "eagle3" and "aux_layer_ids" not in fields:
+        # EAGLE-3 heads exported before heads.json named their feature layers drafted from these
+        fields["aux_layer_ids"] = list(legacy_eagle3_layers(base.cfg.num_layers))
+    hcfg = HeadsConfig(**fields)
     if method is not None and hcfg.method != method:
         raise CloverError(f"{heads_dir}: holds {hcfg.method} heads, not {method}; pass matching --method and --heads")
     if meta.get("base_fingerprint") != base_fingerprint(base):
