@@ -54,6 +54,12 @@ class HeadsConfig:
     # EAGLE-3: the base decoder layers whose outputs (0-based) it fuses, as the checkpoint formats name
     # them (`eagle_aux_hidden_state_layer_ids`); None: the authors' default, `llama.eagle3_layers(L)`.
     aux_layer_ids: tuple[int, ...] | None = None
+    # Medusa: times each head applies its ResBlock (Medusa-1's medusa_num_layers: its code repeats one
+    # block, `[ResBlock(H)] * L`, so the L applications share their weights).
+    head_layers: int = 1
+    # Medusa: each head scores with a vocabulary projection of its own (Medusa-1's heads), not the base
+    # model's frozen lm_head.
+    own_lm_head: bool = False
 
     def __post_init__(self):
         from clover_jax.drafters import registry  # the registry names the drafter classes: imported late
@@ -61,6 +67,12 @@ class HeadsConfig:
         registry.get(self.method)
         if self.num_heads < 1:
             raise CloverError(f"num_heads={self.num_heads} must be >= 1")
+        if not isinstance(self.head_layers, int) or self.head_layers < 1:
+            raise CloverError(f"head_layers={self.head_layers!r} must be an integer >= 1")
+        if not isinstance(self.own_lm_head, bool):
+            raise CloverError(f"own_lm_head={self.own_lm_head!r} must be true or false")
+        if (self.head_layers != 1 or self.own_lm_head) and self.method != "medusa":
+            raise CloverError(f"head_layers and own_lm_head describe Medusa heads; {self.method} has neither")
         if self.draft_vocab < 0:
             raise CloverError(f"draft_vocab={self.draft_vocab} must be >= 0 (0: the whole vocabulary)")
         if self.aux_layer_ids is not None:
