@@ -7,7 +7,7 @@ import pytest
 
 from clover_jax.drafters import registry
 from clover_jax.errors import CloverError
-from clover_jax.trees.spec import DEFAULT_TREES, resolve_tree
+from clover_jax.trees.spec import DEFAULT_TREES, accelerator_default, resolve_tree
 from clover_jax.trees.dynamic import DynamicTree
 from clover_jax.trees.static import EAGLE_MC_SIM_7B_63, MEDUSA_MC_SIM_7B_63, Tree, chain, from_widths, full
 from clover_jax.plan.auto import PLAIN, auto_step_cost, auto_tree, cpu_chain_cost, step_cost_for
@@ -311,16 +311,41 @@ def test_step_cost_paces_the_chain_auto_picks_on_a_cpu():
 
 
 def test_resolve_dynamic_trees():
-    """dynamic:N / eagle2:N: N slots (root included, like a static tree's node count), depth = the
-    heads, beam 8 unless the budget needs more candidates (or fewer suffice)."""
+    """dynamic:N: N slots (root included, like a static tree's node count), depth = the heads, beam 8
+    unless the budget needs more candidates (or fewer suffice); eagle2:N,K,D the authors' parameters
+    (tests/test_eagle2_tree.py), depth D + 1 at most as deep as heads draft."""
     t = resolve_tree("dynamic:26", "clover2", 5)
     assert t == DynamicTree("dynamic", 26, 5, 8) and (t.num_nodes, t.max_depth, t.candidates) == (26, 5, 40)
     assert t.top_p == 0.8 and t.min_ratio == 0.25  # Clover's sampler
-    assert resolve_tree("eagle2:64", "medusa", 4) == DynamicTree("eagle2", 64, 4, 16)
-    assert resolve_tree("eagle2:4", "clover", 3).beam == 3
+    assert t.draft_slots == 1 + 4 * 8  # the root and the beams of depths 1..4: the deepest are not expanded
     assert resolve_tree("dynamic:10,5", "clover", 3) == DynamicTree("dynamic", 10, 3, 5)
     assert str(resolve_tree("dynamic:10,5", "clover", 3)) == "dynamic:10,5"
     assert resolve_tree(t, "clover2", 5) is t
+    assert resolve_tree("eagle2:64", "medusa", 4) == DynamicTree.eagle2(64, 10, 3)
+    assert resolve_tree("eagle2:4", "clover", 3) == DynamicTree("eagle2", 4, 3, 10)
+    assert str(resolve_tree("eagle2:4,2", "clover", 3)) == "eagle2:4,2,2"
+
+
+def test_default_on_an_accelerator_is_each_eagle_methods_own_dynamic_tree():
+    """On a GPU or TPU, `default` (and `auto`, which stands for it there) is EAGLE-3's authors' tree for
+    eagle3 and EAGLE-2's for eagle (EAGLE-1's draft model), fitted tree or not; on a CPU, and for the
+    heads anywhere, it stays the fitted or paper tree."""
+    fitted = Tree.from_paths(SMALL)
+    for backend in ("gpu", "tpu"):
+        assert resolve_tree("default", "eagle3", 7, backend=backend) == DynamicTree.eagle2(60, 10, 7)
+        assert resolve_tree(None, "eagle", 5, backend=backend, fitted_tree=fitted) == DynamicTree.eagle2(60, 10, 5)
+        assert resolve_tree("auto", "eagle3", 3, backend=backend) == DynamicTree.eagle2(60, 10, 7)
+        assert resolve_tree("default", "clover2", 5, backend=backend) == DEFAULT_TREES["clover2"]
+        assert resolve_tree("default", "medusa", 4, backend=backend, fitted_tree=fitted) == fitted
+        assert resolve_tree("paper", "eagle3", 7, backend=backend) == Tree.from_paths(EAGLE_MC_SIM_7B_63)
+    paper = Tree.from_paths(EAGLE_MC_SIM_7B_63)
+    assert resolve_tree("default", "eagle3", 7, backend="cpu") == paper
+    assert resolve_tree("default", "eagle", 5, backend="cpu", fitted_tree=fitted) == fitted
+    assert resolve_tree("auto", "eagle3", 3, backend="cpu") == chain(3)
+    assert accelerator_default("eagle3", "gpu") == "eagle2:60,10,7"
+    assert accelerator_default("eagle", "tpu") == "eagle2:60,10,5"
+    assert accelerator_default("eagle3", "cpu") is accelerator_default("clover2", "gpu") is None
+    assert resolve_tree("default", "eagle3", 7) == paper  # the suite runs on a CPU
 
 
 @pytest.mark.parametrize(
@@ -329,7 +354,13 @@ def test_resolve_dynamic_trees():
         (None, "eagle-9", 4, r"unknown method 'eagle-9'"),
         (None, "medusa", 0, r"num_heads must be a positive integer"),
         ("dynamic:", "clover", 3, r"write dynamic:N \(N tree slots, root included\) or dynamic:N,W"),
-        ("eagle2:9,2,1", "clover", 3, r"write eagle2:N"),
+        ("eagle2:9,2,1,1", "clover", 3, r"write eagle2, eagle2:N, eagle2:N,K or eagle2:N,K,D"),
+        ("eagle2:a", "clover", 3, r"write eagle2, eagle2:N"),
+        ("eagle2:9,2,1", "clover", 3, r"eagle2:9 cannot be filled by the 6 candidates of top-k 2 and depth 1"),
+        ("eagle2:9,3,3", "clover", 3, r"eagle2:9,3,3 of depth 4 needs more than the 3 draft heads"),
+        ("eagle2:9,0,3", "eagle3", 3, r"needs depth >= 0 and top-k >= 1, got 3 and 0"),
+        ("eagle2:9,3,-1", "eagle3", 3, r"needs depth >= 0 and top-k >= 1, got -1 and 3"),
+        ("eagle2:10,100,41", "eagle3", 3, r"eagle2:10,100,41 expands 4100 nodes a step, more than the 4095 supported"),
         ("dynamic:1", "clover", 3, r"needs 2\.\.4096 nodes"),
         ("dynamic:30,4", "clover", 3, r"dynamic:30 cannot be filled by 3 depths of 4 candidates"),
         (DynamicTree("eagle2", 9, 4, 4), "clover", 3, r"depth 4 needs more than the 3 draft heads"),

@@ -39,6 +39,11 @@ class Method:
     trained_steps: int | None = None
     color: str | None = None  # its colour in the benchmark's plots (None: matplotlib's next)
     title: str | None = None  # how prose and messages name it, e.g. "EAGLE-3" (None: its name)
+    # True for a draft model, which chains one layer and so drafts trees deeper than `depth` (its
+    # trained steps): EAGLE-3's authors draft 8 deep with 7. Heads stop at their own count.
+    chained: bool = False
+    # The `--tree` spec `default` means on an accelerator (None: the CPU's, a fitted or paper tree).
+    accelerator_tree: str | None = None
 
 
 _REGISTRY: dict[str, Method] = {}
@@ -87,8 +92,10 @@ register(Method("clover2", Clover2Heads, depth=5, tree="eagle_mc_sim_7b_63", los
                 color="tab:red", title="Clover-2"))
 HEADS = names()
 # The draft models: the command-line choices, with the ones above (BUILT_IN).
+# On accelerators each drafts its authors' dynamic tree: EAGLE-1 with EAGLE-2's (their EAGLE-2 release's
+# evaluation scripts: 60 nodes, top-k 10, depth 5), EAGLE-3 with EAGLE-3's (from_pretrained: 60, 10, 7).
 register(Method("eagle", Eagle, depth=5, tree="eagle_mc_sim_7b_63", loss=eagle_loss, trained_steps=1,
-                color="tab:purple", title="EAGLE-1"))
+                color="tab:purple", title="EAGLE-1", chained=True, accelerator_tree="eagle2:60,10,5"))
 register(Method("eagle3", Eagle3, depth=7, tree="eagle_mc_sim_7b_63", loss=eagle3_loss, color="tab:orange",
-                title="EAGLE-3"))
+                title="EAGLE-3", chained=True, accelerator_tree="eagle2:60,10,7"))
 BUILT_IN = names()

@@ -1,12 +1,13 @@
 """The tree driver: any drafter (`drafter.Drafter`) drafts any tree, level by level through `expand`.
 
-`draft_tree` takes a static `Tree` or a `DynamicTree` (`dynamic:N`, `eagle2:N`) and returns one result,
-`Drafted`: the N tree tokens, the step's topology as a `StepTree` (what verification and acceptance
-read) and, when sampling drew the children, each node's draft distribution. Each level is a `Frontier`:
-its tokens, parents, draft slots, ancestor mask over the slots, positions, and what the parents handed
-down. A static tree's slots are its nodes; a dynamic tree drafts D x W candidates in slots 1.. (a beam
-of W per depth), then keeps N - 1 of them (`_allot`), so its drafter may need 1 + D x W draft slots
-(`draft_slots`). Children are a node's top-k (greedy) or draws without replacement (sampling).
+`draft_tree` takes a static `Tree` or a `DynamicTree` (`dynamic:N,W`, `eagle2:N,K,D`) and returns one
+result, `Drafted`: the N tree tokens, the step's topology as a `StepTree` (what verification and
+acceptance read) and, when sampling drew the children, each node's draft distribution. Each level is a
+`Frontier`: its tokens, parents, draft slots, ancestor mask over the slots, positions, and what the
+parents handed down. A static tree's slots are its nodes; a dynamic tree expands a beam of W nodes per
+depth in draft slots 1.. and keeps N - 1 of its candidates (`_allot`), so its drafter may need
+1 + (depth - 1) x W draft slots (`draft_slots`). Children are a node's top-k (greedy) or draws without
+replacement (sampling).
 """
 
 from __future__ import annotations
@@ -132,8 +133,11 @@ def _draft_static(base, drafter, state, tree: Tree, root, lengths, sampling, key
 def _draft_dynamic(base, drafter, state, tree: DynamicTree, root, lengths, sampling, key, vocab):
     """A beam of W nodes per depth, ranked by joint path log-probability under the drafter's
     distributions (softmax of the logits when greedy, `distribution` under the sampling setting
-    otherwise); the D x W candidates then get slots by the tree's rule (`_allot`), in depth-major
-    order, so parents precede children and a node's children sit in decreasing probability.
+    otherwise): each beam node proposes its W most likely children and the best W of all of them form
+    the next beam. The candidates (each depth's beam for `dynamic`, every proposed child for `eagle2`)
+    then get slots by the tree's rule (`_allot`), in depth-major order, so parents precede children
+    and a node's children sit in decreasing probability. Each candidate knows its parent as a candidate
+    index, beam nodes their own; the drafter's cache holds only the beam nodes it expands.
 
     When sampling, Clover's sampler draws its children instead: the slots of a depth are allotted from
     the *sorted* probabilities of each frontier node's distribution (the j-th slot of node v scores
@@ -143,10 +147,13 @@ def _draft_dynamic(base, drafter, state, tree: DynamicTree, root, lengths, sampl
     rerank compares nodes across depths by their drawn values, so eagle2 keeps chosen children (tested
     as point masses) when sampling."""
     b, w, depth = root.shape[0], tree.beam, tree.max_depth
+    pooled = tree.kind == "eagle2"  # every proposed child is a candidate, not only the next beam
     drawn = not sampling.greedy and tree.kind == "dynamic"
+    rows = jnp.arange(b)[:, None]
     frontier = _root(root, lengths, tree.draft_slots)
-    f_logp = jnp.zeros((b, 1), jnp.float32)
-    cand_tok, cand_logp, cand_parent, frontier_q = [], [], [], []
+    f_logp = jnp.zeros((b, 1), jnp.float32)  # each frontier node's joint log-probability
+    f_cand = jnp.full((b, 1), -1, jnp.int32)  # each frontier node's candidate index (-1: the root)
+    cands, frontier_q, frontier_cand, offset = [], [], [], 0
     for d in range(1, depth + 1):
         logits, carry, state = drafter.expand(base, state, frontier, vocab)  # [B, F or 1, V or N]
         if sampling.greedy:
@@ -157,60 +164,72 @@ def _draft_dynamic(base, drafter, state, tree: DynamicTree, root, lengths, sampl
         keep = prob > 0
         if tree.kind == "dynamic":  # Clover: the head's top-p nucleus, and at least min_ratio of its top-1
             keep &= (jnp.cumsum(prob, -1) - prob < tree.top_p) & (prob >= tree.min_ratio * prob[..., :1])
-        slot_score = f_logp[:, :, None] + jnp.where(keep, jnp.log(prob), -jnp.inf)  # [B, F, W]
+        f = f_logp.shape[1]
+        slot_score = (f_logp[:, :, None] + jnp.where(keep, jnp.log(prob), -jnp.inf)).reshape(b, f * w)
         if drawn:
             frontier_q.append(q_full)
+            frontier_cand.append(f_cand)
             tok = draw_without_replacement(q, use_keys(key, DRAW, d), w)  # in draw order
             prob = jnp.take_along_axis(q, tok, -1)
         if vocab is not None:
             tok = vocab.token(tok)
-        f = slot_score.shape[1]
-        score, idx = top_k(slot_score.reshape(b, f * w), w)  # the level's best W slots (-inf: none)
-        parent = idx // w
-        flat = lambda x: jnp.take_along_axis(jnp.broadcast_to(x, (b, f, w)).reshape(b, f * w), idx, 1)
-        cand_tok.append(flat(tok).astype(jnp.int32))
-        cand_logp.append(score)
-        cand_parent.append(jnp.take_along_axis(frontier.slots, parent, 1))
+        spread = lambda x: jnp.broadcast_to(x, (b, f, w)).reshape(b, f * w)  # per proposed child [B, F*W]
+        child_tok, child_parent = spread(tok).astype(jnp.int32), spread(f_cand[:, :, None])
+        score, idx = top_k(slot_score, w)  # the next beam: the best W children (-inf: none)
+        pick = lambda x: jnp.take_along_axis(x, idx, 1)
+        if pooled:
+            cands.append((child_tok, slot_score, child_parent))
+            beam_cand = offset + idx
+        else:
+            cands.append((pick(child_tok), score, pick(child_parent)))
+            beam_cand = jnp.broadcast_to(offset + jnp.arange(w, dtype=jnp.int32), (b, w))
+        offset += cands[-1][0].shape[1]
+        if d == depth:  # the deepest candidates are never expanded
+            break
         # A node's own joint probability (its drawn token's, when drawn) ranks its children's slots.
-        f_logp = jnp.where(score > -jnp.inf, flat(f_logp[:, :, None] + jnp.log(prob)), -jnp.inf)
+        f_logp = jnp.where(score > -jnp.inf, pick(spread(f_logp[:, :, None] + jnp.log(prob))), -jnp.inf)
+        f_cand = beam_cand
+        parent = idx // w  # each beam node's parent: its index in this frontier
         slots = jnp.broadcast_to(1 + (d - 1) * w + jnp.arange(w, dtype=jnp.int32), (b, w))
         own = jax.nn.one_hot(slots, tree.draft_slots, dtype=bool)
         parent_anc = jnp.take_along_axis(jnp.broadcast_to(frontier.ancestors, (b,) + frontier.ancestors.shape[1:]),
                                          parent[:, :, None], 1)
-        frontier = _child_level(frontier, carry, cand_tok[-1], parent, slots, parent_anc | own)
+        frontier = _child_level(frontier, carry, pick(child_tok), parent, slots, parent_anc | own)
 
-    tok, logp, parent = (jnp.concatenate(x, 1) for x in (cand_tok, cand_logp, cand_parent))  # [B, D*W]
-    tokens, st, slot = _allot(tree, root, tok, logp, parent)
+    tok, logp, parent = (jnp.concatenate(x, 1) for x in zip(*cands))  # [B, candidates]
+    cand_depth = jnp.concatenate([jnp.full(c[0].shape, d, jnp.int32) for d, c in enumerate(cands, 1)], 1)
+    tokens, st, slot = _allot(tree, root, tok, logp, parent, cand_depth)
     draws = None
-    if drawn:  # each node's distribution at its slot: the root's, then each depth's frontier nodes'
-        rows, v = jnp.arange(b)[:, None], frontier_q[0].shape[-1]
-        draws = jnp.zeros((b, tree.num_nodes, v), jnp.float32).at[:, 0].set(frontier_q[0][:, 0])
-        for d in range(2, depth + 1):
-            ids = (d - 2) * w + jnp.arange(w)  # candidates of depth d-1: the frontier of depth d
-            draws = draws.at[rows, slot[:, ids]].set(jnp.broadcast_to(frontier_q[d - 1], (b, w, v)), mode="drop")
+    if drawn:  # each expanded node's distribution at its slot (the root's at slot 0)
+        v = frontier_q[0].shape[-1]
+        node_slot = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), slot], 1)
+        draws = jnp.zeros((b, tree.num_nodes, v), jnp.float32)
+        for q_d, cand in zip(frontier_q, frontier_cand):
+            draws = draws.at[rows, node_slot[rows, cand + 1]].set(
+                jnp.broadcast_to(q_d, cand.shape + (v,)), mode="drop")
     return Drafted(tokens, st, draws), state
 
 
-def _allot(tree: DynamicTree, root, tok, logp, parent):
-    """Slots for the D x W candidates (tokens, joint log-probabilities, parent draft slots [B, D*W]):
-    the tree's rule picks N - 1; returns (tokens [B, N], StepTree, each candidate's slot [B, D*W], N
-    where it got none)."""
-    b, n, w, depth = root.shape[0], tree.num_nodes, tree.beam, tree.max_depth
+def _allot(tree: DynamicTree, root, tok, logp, parent, cand_depth):
+    """Slots for the candidates (tokens, joint log-probabilities, parent candidate indices (-1: the
+    root), depths [B, C], parents before children): the tree's rule picks N - 1; returns (tokens
+    [B, N], StepTree, each candidate's slot [B, C], N where it got none)."""
+    b, n = root.shape[0], tree.num_nodes
     rows = jnp.arange(b)
     ok = logp > -jnp.inf
     if tree.kind == "dynamic":  # depth by depth, each its most probable: deeper ones get what is left
         chosen = ok & (jnp.cumsum(ok, 1) <= n - 1)
-    else:  # EAGLE-2: the global top N-1 by joint probability (a parent never ranks below its child)
+    else:  # EAGLE-2: the global top N-1; a child never scores above its parent, and ties go to the earlier
         top = top_k(jnp.where(ok, logp, -jnp.inf), n - 1)[1]
         chosen = ok & jnp.zeros_like(ok).at[rows[:, None], top].set(True)
     slot = jnp.where(chosen, jnp.cumsum(chosen, 1), n)  # n: no slot (dropped by the scatters)
-    parent_slot = jnp.take_along_axis(jnp.concatenate([jnp.zeros((b, 1), jnp.int32), slot], 1), parent, 1)
-    cand_depth = jnp.broadcast_to(jnp.repeat(jnp.arange(1, depth + 1, dtype=jnp.int32), w), tok.shape)
+    parent_slot = jnp.take_along_axis(jnp.concatenate([jnp.zeros((b, 1), jnp.int32), slot], 1), parent + 1, 1)
     place = lambda vals, fill: jnp.full((b, n), fill, vals.dtype).at[rows[:, None], slot].set(vals, mode="drop")
     tokens = place(tok, 0).at[:, 0].set(root)
     parents = place(parent_slot, -1)
     valid = place(chosen, False).at[:, 0].set(True)
-    return tokens, StepTree(parents, place(cand_depth, 0), _closure(parents, depth), _children(parents, w), valid), slot
+    ancestors, children = _closure(parents, tree.max_depth), _children(parents, tree.beam)
+    return tokens, StepTree(parents, place(cand_depth, 0), ancestors, children, valid), slot
 
 
 def _closure(parents: jax.Array, depth: int) -> jax.Array:

@@ -1,6 +1,7 @@
 """The `--tree` spec language: a user's tree (a name, `chain:D`, `full:WxD`, `widths:..`, JSON paths or
-file, `dynamic:N` / `eagle2:N`, `default`, `fitted`, `paper`, `auto`) resolved against the heads that
-will draft it; and the tree each method drafts by default.
+file, `dynamic:N[,W]` / `eagle2[:N,K,D]`, `default`, `fitted`, `paper`, `auto`) resolved against the
+drafter that will draft it; and the tree each method drafts by default (on an accelerator an EAGLE
+method's own dynamic tree, `registry.Method.accelerator_tree`).
 """
 
 from __future__ import annotations
@@ -18,35 +19,41 @@ from clover_jax.trees.static import NAMED_TREES, Tree, _positive, chain, from_wi
 
 
 def resolve_tree(spec, method: str, num_heads: int, chain_tau=None, sampling: bool = False,
-                 fitted_tree: Tree | None = None) -> Tree:
-    """The tree a user asked for, checked against the heads it will be drafted with.
+                 fitted_tree: Tree | None = None, backend: str | None = None) -> Tree | DynamicTree:
+    """The tree a user asked for, checked against the drafter (`num_heads` heads, or a draft model of
+    that many chained steps, which drafts any depth: `Method.chained`) it will be drafted with.
 
-    spec: None or "default" (`fitted_tree`, the tree fitted to these heads that their directory ships,
-    else the method's paper tree), "fitted" (`fitted_tree`, an error without one), "paper" (the method's
-    paper tree), "auto" (the default tree on an
-    accelerator, on a CPU the chain `chain_tau` says is fastest, `sampling` or not: see `auto_tree`), a
-    name from NAMED_TREES or "mc_sim_7b_63" (both named trees are cut to num_heads), "chain:D",
-    "full:WxD", "widths:W1,W2,...", a JSON list of paths as a string, a JSON file path, a list of paths,
-    a Tree, or a dynamic tree "dynamic:N[,W]" / "eagle2:N[,W]" (a DynamicTree of depth num_heads).
+    spec: None or "default" (on an accelerator, `backend` or else JAX's, the method's own
+    `accelerator_tree` where it has one; else `fitted_tree`, the tree fitted to these heads that their
+    directory ships, else the method's paper tree), "fitted" (`fitted_tree`, an error without one),
+    "paper" (the method's paper tree), "auto" (the default tree on an accelerator, on a CPU the chain
+    `chain_tau` says is fastest, `sampling` or not: see `auto_tree`), a name from NAMED_TREES or
+    "mc_sim_7b_63" (both named trees are cut to num_heads), "chain:D", "full:WxD", "widths:W1,W2,...",
+    a JSON list of paths as a string, a JSON file path, a list of paths, a Tree, or a dynamic tree
+    "dynamic:N[,W]" (of depth num_heads) or "eagle2[:N[,K[,D]]]" (`DynamicTree.parse`).
     """
-    paper = registry.get(method).tree  # what `mc_sim_7b_63` means: the tree the method's own code uses
+    entry = registry.get(method)
+    paper = entry.tree  # what `mc_sim_7b_63` means: the tree the method's own code uses
     heads = _positive(num_heads, "num_heads")
+    deepest = None if entry.chained else heads  # the deepest tree a user's spec may name
     if isinstance(spec, Tree):
-        return Tree.from_paths(spec.paths, heads)
+        return Tree.from_paths(spec.paths, deepest)
     if isinstance(spec, DynamicTree):
-        if spec.max_depth > heads:
-            raise CloverError(f"dynamic tree of depth {spec.max_depth} needs more than the {heads} draft heads")
+        if deepest is not None and spec.max_depth > deepest:
+            raise CloverError(f"dynamic tree {spec} of depth {spec.max_depth} needs more than the {heads} draft heads")
         return spec
     if spec is None or (isinstance(spec, str) and spec.strip() == "default"):
+        if accelerator_default(method, backend) is not None:
+            return resolve_tree(accelerator_default(method, backend), method, heads, backend=backend)
         return _named(paper, heads) if fitted_tree is None else Tree.from_paths(fitted_tree.paths, heads)
     if isinstance(spec, (list, tuple)):
-        return Tree.from_paths(spec, heads)
+        return Tree.from_paths(spec, deepest)
     if not isinstance(spec, str):
         raise CloverError(f"a tree spec must be a string, a list of paths or None, got {type(spec).__name__}")
     s = spec.strip()
     kind, _, arg = s.partition(":")
     if kind in DYNAMIC_KINDS:
-        return DynamicTree.parse(kind, arg, heads)
+        return resolve_tree(DynamicTree.parse(kind, arg, heads, deepest), method, heads)
     if s in ("paper", "mc_sim_7b_63"):
         return _named(paper, heads)
     if s == "fitted":
@@ -55,12 +62,13 @@ def resolve_tree(spec, method: str, num_heads: int, chain_tau=None, sampling: bo
                               "train.evaluate --fit-tree N --record, or draft the paper tree (--tree paper)")
         return Tree.from_paths(fitted_tree.paths, heads)
     if s == "auto":
-        picked = auto_tree(heads, chain_tau=chain_tau, sampling=sampling)
+        picked = auto_tree(heads, backend, chain_tau=chain_tau, sampling=sampling)
         if picked == PLAIN:
             raise CloverError(f"tree auto: with these heads no chain is modelled to beat plain decoding on this "
-                              f"{jax.default_backend()} (held-out tau {', '.join(f'{t:.2f}' for t in chain_tau)}); "
-                              "decode without drafting, or name a tree such as chain:1")
-        return resolve_tree(picked, method, heads, fitted_tree=fitted_tree)
+                              f"{backend or jax.default_backend()} (held-out tau "
+                              f"{', '.join(f'{t:.2f}' for t in chain_tau)}); decode without drafting, or name a "
+                              "tree such as chain:1")
+        return resolve_tree(picked, method, heads, fitted_tree=fitted_tree, backend=backend)
     if s in NAMED_TREES:
         return _named(s, heads)
     if kind in ("chain", "full", "widths") and arg:
@@ -76,17 +84,24 @@ def resolve_tree(spec, method: str, num_heads: int, chain_tau=None, sampling: bo
             tree = from_widths(nums)
         else:
             raise CloverError(f"tree spec {spec!r}: write chain:D, full:WxD or widths:W1,W2,...")
-        return Tree.from_paths(tree.paths, heads)
+        return Tree.from_paths(tree.paths, deepest)
     if s.startswith(("[", "{")):
         try:
             data = json.loads(s)
         except json.JSONDecodeError as e:
             raise CloverError(f"tree spec is not valid JSON: {e}") from None
-        return Tree.from_paths(data.get("paths", data) if isinstance(data, dict) else data, heads)
+        return Tree.from_paths(data.get("paths", data) if isinstance(data, dict) else data, deepest)
     if os.path.isfile(s) or s.endswith(".json"):
-        return Tree.from_file(s, heads)
+        return Tree.from_file(s, deepest)
     raise CloverError(f"unknown tree spec {spec!r}: use default, fitted, paper, auto, {', '.join(NAMED_TREES)}, chain:D, "
-                      "full:WxD, widths:W1,W2,..., dynamic:N, eagle2:N, a JSON list of paths or a .json file")
+                      "full:WxD, widths:W1,W2,..., dynamic:N, eagle2[:N,K,D], a JSON list of paths or a .json file")
+
+
+def accelerator_default(method: str, backend: str | None = None) -> str | None:
+    """The tree spec `default` stands for with `method` on `backend` (default: JAX's), ahead of any
+    fitted tree: the method's own `accelerator_tree` off a CPU; None where it is a fitted or paper tree."""
+    tree = registry.get(method).accelerator_tree
+    return tree if tree is not None and (backend or jax.default_backend()) != "cpu" else None
 
 
 def _named(name: str, heads: int) -> Tree:
