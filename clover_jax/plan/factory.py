@@ -63,7 +63,8 @@ class LoadedDrafter:
 
 def load_drafter(model: Llama, method: str, *, model_path=None, heads: str | Path | None = None,
                  num_heads: int | None = None, seed: int = 0, model_dir: Path | None = None) -> LoadedDrafter:
-    """The drafter of `method` for `model`: the heads in `heads` (a directory; "random" for untrained ones,
+    """The drafter of `method` for `model`: the heads in `heads` (a directory, or a Hub id such as org/name
+    whose drafter files are downloaded, `sources.drafter_snapshot`; "random" for untrained ones,
     `num_heads` of them, seeded by `seed`; None or "shipped" for the ones shipped beside the model
     `model_path` names, a `--model` value, whose checkpoint directory `model_dir` is when already found)."""
     if method == "plain":
@@ -79,6 +80,7 @@ def load_drafter(model: Llama, method: str, *, model_path=None, heads: str | Pat
         if not shipped.is_dir():
             raise CloverError(f"no {method} heads at {shipped}; pass --heads DIR, or --heads random for untrained heads")
         heads = shipped
+    heads = sources.drafter_path(heads)  # a Hub id (not a local folder): its drafter files, downloaded
     return LoadedDrafter(method, load_heads(heads, model, method), Path(heads))
 
 
