@@ -174,7 +174,7 @@ def _bad_file(kind: str, hf, tmp_path):
         data = path.read_bytes()
         path.write_bytes(data[: len(data) * 2 // 3])
     elif kind == "architecture":
-        write_gguf(hf, path, Q.F16, arch="gemma3")
+        write_gguf(hf, path, Q.F16, arch="phi3")
     elif kind == "tensor-type":
         write_gguf(hf, path, Q.Q8_0)
         data = bytearray(path.read_bytes())
@@ -192,7 +192,7 @@ def _bad_file(kind: str, hf, tmp_path):
     return path
 
 
-@pytest.mark.parametrize("kind,words", [("truncated", "truncated"), ("architecture", "'gemma3' is not supported"),
+@pytest.mark.parametrize("kind,words", [("truncated", "truncated"), ("architecture", "'phi3' is not supported"),
                                         ("tensor-type", "a tensor of a type"), ("not-gguf", "not a readable GGUF")])
 def test_bad_gguf_is_one_line_and_leaves_the_cache_empty(kind, words, hf_checkpoint, tmp_path, cache):
     hf, _ = hf_checkpoint("llama2")

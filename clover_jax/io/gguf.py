@@ -9,7 +9,9 @@ rebuilt from the metadata by `transformers`' GGUF tokenizer converter. Neither n
 
 llama.cpp stores a Llama's q and k projection rows permuted for its rotary kernel (pairs of
 interleaved dimensions instead of two halves); that permutation is undone here, as `transformers`
-does, or the model's attention would be silently wrong. Qwen2 files are stored unpermuted.
+does, or the model's attention would be silently wrong. Qwen2 files are stored unpermuted. Gemma 3
+files (`gemma3_text` checkpoints: their norms stored as 1 + w, and what their metadata leaves out)
+are read by `gguf_gemma3`.
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ import numpy as np
 
 from clover_jax.model.config import ModelConfig
 from clover_jax.errors import CloverError
+from clover_jax.io import gguf_gemma3
 from clover_jax.io.files import write_text
 
 # GGUF architecture -> Hugging Face model_type. Mistral files say "llama".
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "gemma3": gguf_gemma3.MODEL_TYPE}
 # Our (HF) tensor names per GGUF tensor name, with {i} the layer.
 _LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -60,7 +63,7 @@ def _gguf():
         import gguf
         import gguf.quants
     except ImportError:
-        raise CloverError('reading a .gguf file (or the named model smollm2) needs the gguf package: '
+        raise CloverError('reading a .gguf file (or a named model: smollm2, gemma3) needs the gguf package: '
                           'pip install "clover-jax[tools]" (in a checkout: pip install -e ".[tools]")') from None
     return gguf
 
@@ -102,15 +105,15 @@ def unpermute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
 
 def hf_config(reader, path: Path) -> dict:
     """A Hugging Face config.json for the model the GGUF metadata describes; anything our Llama-family
-    decoder cannot run is refused in one line."""
+    decoder cannot run is refused in one line. A Gemma 3 file's is complete (`gguf_gemma3.config`)."""
     arch = str(_required(reader, path, "general.architecture"))
     if arch not in ARCHITECTURES:
         raise CloverError(f"{path}: GGUF architecture {arch!r} is not supported; clover-jax runs "
-                          f"{', '.join(ARCHITECTURES)} files (Llama, Mistral, Qwen2)")
+                          f"{', '.join(ARCHITECTURES)} files (Llama, Mistral, Qwen2, Gemma 3)")
     get = lambda key, default=None: _field(reader, f"{arch}.{key}", default)
     need = lambda key: _required(reader, path, f"{arch}.{key}")
     scaling = get("rope.scaling.type")
-    if scaling not in (None, "none"):
+    if scaling not in (None, "none") and arch != "gemma3":
         raise CloverError(f"{path}: GGUF rope scaling {scaling!r} is not supported (supported: none, and Llama 3's)")
     tokens = _field(reader, "tokenizer.ggml.tokens")
     heads = int(need("attention.head_count"))
@@ -132,6 +135,8 @@ def hf_config(reader, path: Path) -> dict:
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
     }
+    if arch == "gemma3":
+        return gguf_gemma3.config(get, cfg, _field(reader, "tokenizer.ggml.padding_token_id"), path)
     if _ROPE_FREQS in names:
         cfg["rope_scaling"] = _llama3_rope(reader, path, cfg)
     return cfg
@@ -160,6 +165,8 @@ def hf_tensors(reader, path: Path, cfg: dict) -> dict[str, np.ndarray]:
     GGMLQuantizationType, dequantize = gguf.GGMLQuantizationType, gguf.quants.dequantize
 
     layered = cfg["model_type"] == "llama"  # llama.cpp permutes q/k rows for llama files only
+    gemma = cfg["model_type"] == gguf_gemma3.MODEL_TYPE
+    layer_tensors = gguf_gemma3.LAYER_TENSORS if gemma else _LAYER_TENSORS
     out: dict[str, np.ndarray] = {}
     for t in reader.tensors:
         if t.name == _ROPE_FREQS:
@@ -168,9 +175,10 @@ def hf_tensors(reader, path: Path, cfg: dict) -> dict[str, np.ndarray]:
             name = _GLOBAL_TENSORS[t.name]
         else:
             parts = t.name.split(".", 2)
-            if len(parts) != 3 or parts[0] != "blk" or parts[2] not in _LAYER_TENSORS:
-                raise CloverError(f"{path}: unexpected tensor {t.name}; this is not a plain Llama-family model")
-            name = f"model.layers.{int(parts[1])}.{_LAYER_TENSORS[parts[2]]}"
+            if len(parts) != 3 or parts[0] != "blk" or parts[2] not in layer_tensors:
+                raise CloverError(f"{path}: unexpected tensor {t.name}; this is not a plain "
+                                  f"{'Gemma 3' if gemma else 'Llama-family'} model")
+            name = f"model.layers.{int(parts[1])}.{layer_tensors[parts[2]]}"
         try:
             qtype = GGMLQuantizationType(t.tensor_type)
             w = np.asarray(dequantize(t.data, qtype), np.float32)
@@ -178,11 +186,15 @@ def hf_tensors(reader, path: Path, cfg: dict) -> dict[str, np.ndarray]:
             raise CloverError(f"{path}: tensor {t.name} has a type the gguf package cannot dequantize "
                               f"({t.tensor_type}: {e}); convert the file to F16 or a common quantization") from None
         w = w.reshape(tuple(int(n) for n in reversed(t.shape)))  # GGUF lists dims innermost first
+        if gemma and gguf_gemma3.is_norm(t.name):
+            w = w - np.float32(1)  # stored as the scale 1 + w
         if layered and ".q_proj." in name:
             w = unpermute_rope_rows(w, cfg["num_attention_heads"])
         elif layered and ".k_proj." in name:
             w = unpermute_rope_rows(w, cfg["num_key_value_heads"])
         out[name] = np.ascontiguousarray(w)
+    if gemma:
+        gguf_gemma3.check_complete(set(out), cfg, path)
     return out
 
 
@@ -222,14 +234,18 @@ def convert_gguf(path: str | Path, out_dir: str | Path) -> None:
     path, out = Path(path), Path(out_dir)
     reader = _reader(path)
     cfg = hf_config(reader, path)
-    model_cfg = ModelConfig.from_hf_dict(cfg)  # refuses what our decoder cannot run, before any weight is read
+    if cfg["model_type"] == gguf_gemma3.MODEL_TYPE:
+        # Written as the file describes it, so transformers' Gemma 3 reads it whatever our decoder
+        # makes of it (loading it is where that is checked).
+        hf = cfg
+    else:
+        hf = ModelConfig.from_hf_dict(cfg).to_hf_dict()  # refuses what our decoder cannot run, before any weight is read
+        hf["torch_dtype"] = "float32"
     tensors = hf_tensors(reader, path, cfg)
-    if model_cfg.tie_word_embeddings:
+    if hf["tie_word_embeddings"]:
         tensors.pop("lm_head.weight", None)
     out.mkdir(parents=True, exist_ok=True)
     write_safetensors(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    hf = model_cfg.to_hf_dict()
-    hf["torch_dtype"] = "float32"
     write_text(out / "config.json", json.dumps(hf, indent=2))
     eos = cfg["eos_token_id"]
     write_text(out / "generation_config.json",
