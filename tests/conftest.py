@@ -19,12 +19,16 @@ import pytest
 import torch
 from flax import nnx
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from clover_jax.io.hf import load_pretrained
@@ -79,12 +83,38 @@ FAMILIES = {
 }
 FAMILY_NAMES = tuple(FAMILIES)
 
+# The families whose layer adds to Llama's (Qwen3, Gemma 3) and the sliding windows, tested in
+# test_families.py: kv heads 1, 2 and = heads between them; local and global layers interleaved;
+# windows of 4 and 5 tokens, shorter than the sequences the tests run.
+_GEMMA_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+               "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}
+_GEMMA_LINEAR_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                      "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}
+VARIANTS = {
+    "qwen3-kv2": (Qwen3Config, Qwen3ForCausalLM, dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                                      head_dim=16, rope_theta=1000000.0)),
+    "qwen3-kv1-tied": (Qwen3Config, Qwen3ForCausalLM, dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=1,
+                                                           head_dim=8, tie_word_embeddings=True)),
+    "gemma3-kv1": (Gemma3TextConfig, Gemma3ForCausalLM, dict(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=24,
+        sliding_window=4, layer_types=["full_attention", "sliding_attention"], rope_parameters=_GEMMA_ROPE)),
+    "gemma3-mha-linear": (Gemma3TextConfig, Gemma3ForCausalLM, dict(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=4, head_dim=8, query_pre_attn_scalar=8,
+        sliding_window=5, sliding_window_pattern=2, rope_parameters=_GEMMA_LINEAR_ROPE)),
+    "mistral-window": (MistralConfig, MistralForCausalLM, dict(hidden_size=32, num_attention_heads=4,
+                                                               num_key_value_heads=2, head_dim=8, sliding_window=4)),
+    "qwen2-window": (Qwen2Config, Qwen2ForCausalLM, dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                                         use_sliding_window=True, sliding_window=4, max_window_layers=1,
+                                                         rope_theta=1000000.0)),
+}
+VARIANT_NAMES = tuple(VARIANTS)
+
 
 def build_hf_model(family: str, seed: int = 0) -> torch.nn.Module:
-    """A tiny random float32 HF model of `family`, in eval mode."""
-    config_cls, model_cls, kwargs = FAMILIES[family]
+    """A tiny random float32 HF model of `family` (of FAMILIES or VARIANTS), in eval mode."""
+    config_cls, model_cls, kwargs = FAMILIES[family] if family in FAMILIES else VARIANTS[family]
     torch.manual_seed(seed)
-    config = config_cls(**_COMMON, **kwargs)
+    config = config_cls(**{**_COMMON, **kwargs})
     config._attn_implementation = "eager"
     model = model_cls(config).to(torch.float32).eval()
     gen = torch.Generator().manual_seed(seed + 1)

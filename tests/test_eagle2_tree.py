@@ -2,7 +2,8 @@
 the nodes (token paths) and parents that `eagle2_reference.eagle2_tree` (their `topK_genrate` in NumPy)
 selects, for a drafter whose logits depend on the context and the whole path, at several budgets,
 top-k and depths, per sequence; and for EAGLE-3's draft model run along each path, drafting deeper than
-the steps it has. The spec language gives the authors' parameters their meaning."""
+the steps it has (its logits read from drafting each path as a chain). The spec language gives the
+authors' parameters their meaning."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from clover_jax.drafters.base import Committed
+from clover_jax.drafters.base import Committed, Frontier
 from clover_jax.drafters.heads import Heads, HeadsConfig
 from clover_jax.engine.decode import prefill
 from clover_jax.engine.drafting import draft_tree
@@ -22,7 +23,7 @@ from clover_jax.trees.dynamic import DynamicTree
 from clover_jax.trees.spec import resolve_tree
 from conftest import draft_with_context
 from eagle2_reference import eagle2_tree
-from test_drafter import chain_logits, perturbed
+from test_drafter import perturbed
 
 VOCAB = 32
 BUCKETS = 4099  # the path hashes' range: a prime, so paths rarely share a row of logits
@@ -102,35 +103,47 @@ def test_the_eagle2_tree_is_the_authors(n, k, d):
 
 
 def test_eagle3_drafts_the_authors_tree_deeper_than_its_steps():
-    """EAGLE-3's draft model (3 chained steps) on eagle2:N,3,4 (5 deep): the reference, reading each
-    node's logits from drafting its path as a chain, selects the tree the engine drafted, for two
-    prompts, at a budget of 16 and at the whole pool (40): the beam nodes' slots, ancestors and carried
-    features are the ones a chain gives, past the trained steps too."""
+    """EAGLE-3's draft model (3 chained steps) on eagle2:40,3,4 (the whole pool, 5 deep): the
+    reference, reading each node's logits from drafting its path as a chain, selects the tree the
+    engine drafted, for two prompts: the beam nodes' slots, ancestors and carried features are the ones
+    a chain gives, past the trained steps too."""
     base = Llama(ModelConfig.tiny(), rngs=nnx.Rngs(1))
     drafter = perturbed("eagle3", base, 3)
     prompts = jnp.asarray([[1, 7, 8, 9, 5], [1, 3, 4, 22, 0]], jnp.int32)
     lens = jnp.asarray([5, 4], jnp.int32)
-    out, logits = prefill(base, prompts, lens, 32, feature_layers=drafter.feature_layers)
-    root = jnp.argmax(logits, -1).astype(jnp.int32)
-    following = jnp.concatenate([prompts[:, 1:], jnp.zeros((2, 1), jnp.int32)], 1).at[jnp.arange(2), lens - 1].set(root)
-    new = Committed(out.hidden, out.hidden_normed, following, out.features)
-    state = drafter.commit(base, drafter.init(base, 2, 32), new, lens, jnp.ones((2,), bool))
-    chains = [{}, {}]  # per sequence: path -> the log-probabilities a chain along it gives its last node
 
-    def log_probs(b, path):
-        if path not in chains[b]:  # both rows draft the same tokens; row b's logits are read
-            logits = chain_logits(base, drafter, state, jnp.asarray([path, path], jnp.int32), lens)[-1][b]
-            chains[b][path] = log_softmax(logits)
-        return chains[b][path]
+    @jax.jit
+    def committed(base, drafter):  # the prompts committed to the drafter, and the roots
+        out, logits = prefill(base, prompts, lens, 32, feature_layers=drafter.feature_layers)
+        root = jnp.argmax(logits, -1).astype(jnp.int32)
+        following = jnp.concatenate([prompts[:, 1:], jnp.zeros((2, 1), jnp.int32)], 1)
+        following = following.at[jnp.arange(2), lens - 1].set(root)
+        new = Committed(out.hidden, out.hidden_normed, following, out.features)
+        return root, drafter.commit(base, drafter.init(base, 2, 32), new, lens, jnp.ones((2,), bool))
 
-    for n in (16, 40):
-        tree = resolve_tree(f"eagle2:{n},3,4", "eagle3", 3)
-        assert tree == DynamicTree.eagle2(n, 3, 4) and tree.max_depth == 5 > drafter.num_heads
-        drafted, _ = draft_tree(base, drafter, state, tree, root, lens)
-        for b in range(2):
-            want = eagle2_tree(lambda path: log_probs(b, path), int(root[b]), n, 3, 4)
-            assert drafted_paths(drafted.tokens, drafted.tree, b) == reference_paths(want)
-    assert max(len(p) for p in want.paths) - 1 == 5  # the whole pool: 5 deep, past the 3 trained steps
+    root, state = committed(base, drafter)
+    expand = jax.jit(lambda base, drafter, state, frontier: drafter.expand(base, state, frontier))
+    chains = {}  # token path -> expand's (logits [2, 1, V], carry, state) at its last node, both rows drafting it
+
+    def chain(path):
+        """`test_drafter.chain_logits`, one level at a time from the path's parent's chain: node j in slot j."""
+        if path not in chains:
+            j = len(path) - 1
+            carry, at = (None, state) if j == 0 else chain(path[:-1])[1:]
+            frontier = Frontier(tokens=jnp.full((2, 1), path[-1], jnp.int32), parents=jnp.zeros((2, 1), jnp.int32),
+                                slots=jnp.full((2, 1), j, jnp.int32),
+                                ancestors=jnp.asarray(np.arange(6) <= j)[None, None],
+                                positions=lens[:, None] + j, carry=carry, depth=j)
+            chains[path] = expand(base, drafter, at, frontier)
+        return chains[path]
+
+    tree = resolve_tree("eagle2:40,3,4", "eagle3", 3)
+    assert tree == DynamicTree.eagle2(40, 3, 4) and tree.max_depth == 5 > drafter.num_heads
+    drafted, _ = jax.jit(draft_tree, static_argnums=3)(base, drafter, state, tree, root, lens)
+    for b in range(2):
+        want = eagle2_tree(lambda path: log_softmax(chain(path)[0][b, 0]), int(root[b]), 40, 3, 4)
+        assert drafted_paths(drafted.tokens, drafted.tree, b) == reference_paths(want)
+        assert max(len(p) for p in want.paths) - 1 == 5  # past the 3 trained steps
 
 
 def test_eagle2_specs_take_the_authors_parameters():

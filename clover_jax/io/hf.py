@@ -89,7 +89,8 @@ class _TensorFiles:
 
 def load_pretrained(model_dir: str | Path, dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None
                     ) -> tuple[ModelConfig, Llama]:
-    """Load a HF Llama/Mistral/Qwen2 checkpoint directory into a `Llama` of the given dtype.
+    """Load a HF checkpoint directory of any family `ModelConfig` reads (Llama, Mistral, Qwen2, Qwen3,
+    Gemma 3 text) into a `Llama` of the given dtype; their tensors all carry our parameters' names.
 
     With a mesh, each parameter is placed by the rule table (`sharding.py`) and each device reads only
     its own slice of the tensor from disk (memory-mapped), so no host or device ever holds a full copy

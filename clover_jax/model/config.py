@@ -1,8 +1,10 @@
 """Model configuration, read from (and written back to) a Hugging Face `config.json`.
 
-One frozen dataclass covers the Llama family: Llama-2 / Vicuna, Llama-3 (grouped-query attention,
-`llama3` rope scaling), Mistral (no sliding window) and Qwen2 (bias on q/k/v). Anything outside that
-shape is refused with one line naming the field, so a user never gets a silently wrong model.
+One frozen dataclass covers the decoders this package runs: Llama-2 / Vicuna, Llama-3 (grouped-query
+attention, `llama3` rope scaling), Mistral and Qwen2 (q/k/v bias), both with or without a sliding
+window, Qwen3 (q/k norms) and Gemma 3's text decoder. `hf_config.py` translates each family's
+config.json; anything outside these shapes is refused with one line naming the field, so a user never
+gets a silently wrong model.
 """
 
 from __future__ import annotations
@@ -18,31 +20,22 @@ from typing import Any
 import numpy as np
 
 from clover_jax.errors import CloverError
+from clover_jax.model import hf_config
+from clover_jax.model.hf_config import LAYER_TYPES, SLIDING, SUPPORTED_MODEL_TYPES
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+__all__ = ["SUPPORTED_MODEL_TYPES", "ModelConfig", "rope_inv_freq"]
 
-# Fields that change nothing about the forward pass in inference; read and ignored.
-_IGNORED = {
-    "architectures", "transformers_version", "torch_dtype", "dtype", "use_cache", "initializer_range",
-    "pretraining_tp", "attention_dropout", "_name_or_path", "output_hidden_states", "return_dict",
-    "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type",
-    "output_attentions", "max_window_layers", "layer_types", "pad_token_id", "bos_token_id",
-    "eos_token_id", "model_type", "use_sliding_window", "sliding_window", "rope_scaling",
-    "rope_theta", "rope_parameters", "head_dim", "tie_word_embeddings", "attention_bias", "mlp_bias",
-    "hidden_act", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "max_position_embeddings",
-    "tokenizer_class", "generation_config", "quantization_config", "auto_map", "cache_implementation",
-}
-# Fields that would change the forward pass if set to anything but their neutral value.
-_NEUTRAL = {
-    "quantization_config": None, "auto_map": None, "hidden_act": "silu", "mlp_bias": False,
-}
+
+def _family(default):
+    """A field a family adds to the Llama layer (see `ModelConfig.fingerprint`)."""
+    return dataclasses.field(default=default, metadata={"family": True})
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a Llama-family decoder. Letters: V vocab, D model dim, F MLP dim,
-    N query heads, K kv heads, H head dim."""
+    """Hyper-parameters of a decoder. Letters: V vocab, D model dim, F MLP dim, N query heads,
+    K kv heads, H head dim. The fields after `eos_token_ids` are what a family adds to a Llama; at
+    their defaults the layer is a Llama's."""
 
     vocab_size: int
     hidden_size: int
@@ -53,7 +46,8 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    # ("llama3", factor, low_freq_factor, high_freq_factor, original_max_position_embeddings) or None
+    # ("llama3", factor, low_freq_factor, high_freq_factor, original_max_position_embeddings),
+    # ("linear", factor) or None
     rope_scaling: tuple | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
@@ -61,6 +55,16 @@ class ModelConfig:
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    qk_norm: bool = _family(False)  # RMSNorm over each head's q and k (over H) before RoPE: Qwen3, Gemma 3
+    norm_unit_offset: bool = _family(False)  # RMSNorm scales by (1 + w) in float32, w starting at 0: Gemma
+    sandwich_norms: bool = _family(False)  # Gemma 3: norms on the attention's and the MLP's outputs, one before the MLP
+    hidden_act: str = _family("silu")  # the MLP's gate: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU: Gemma)
+    embed_scale: bool = _family(False)  # token embeddings times sqrt(D), in the embedding's dtype: Gemma
+    query_pre_attn_scalar: float | None = _family(None)  # scores times its ** -0.5 (Gemma 3); None: H ** -0.5
+    # W: a local layer's query at position q reads keys at positions k with q - k < W (and k <= q)
+    sliding_window: int | None = _family(None)
+    layer_types: tuple[str, ...] = _family(())  # per layer "full_attention" or "sliding_attention"; (): all full
+    rope_local_theta: float | None = _family(None)  # RoPE base of local layers, unscaled (Gemma 3); None: the global RoPE
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -68,6 +72,9 @@ class ModelConfig:
                 f"config: num_attention_heads={self.num_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_kv_heads}; fix config.json"
             )
+        if self.layer_types and (len(self.layer_types) != self.num_layers
+                                 or not set(self.layer_types) <= set(LAYER_TYPES) or self.sliding_window is None):
+            raise ValueError(f"layer_types {self.layer_types} need one of {LAYER_TYPES} per layer and a sliding_window")
 
     @classmethod
     def tiny(cls, **overrides) -> "ModelConfig":
@@ -77,12 +84,16 @@ class ModelConfig:
         base.update(overrides)
         return cls(**base)
 
+    def is_local(self, layer: int) -> bool:
+        """Whether decoder layer `layer` attends within the sliding window."""
+        return bool(self.layer_types) and self.layer_types[layer] == SLIDING
+
     @property
     def num_params(self) -> int:
         """Parameter count of the base model (embeddings and lm_head included)."""
         d, f, n, k, h = self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim
-        attn = d * n * h * 2 + d * k * h * 2 + (n * h + 2 * k * h if self.qkv_bias else 0)
-        layer = attn + 3 * d * f + 2 * d
+        attn = d * n * h * 2 + d * k * h * 2 + (n * h + 2 * k * h if self.qkv_bias else 0) + (2 * h if self.qk_norm else 0)
+        layer = attn + 3 * d * f + (4 if self.sandwich_norms else 2) * d
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + emb + d
 
@@ -91,64 +102,7 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
         """From a parsed Hugging Face config.json; an unsupported model type or setting is a one-line error."""
-        model_type = hf.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise CloverError(
-                f"config: model_type={model_type!r} is not supported; "
-                f"use a checkpoint of type {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        for key, neutral in _NEUTRAL.items():
-            if hf.get(key, neutral) != neutral:
-                raise CloverError(f"config: unsupported field {key}={hf[key]!r} (only {key}={neutral!r} is supported)")
-        if hf.get("use_sliding_window", model_type == "mistral") and hf.get("sliding_window") is not None:
-            if hf["sliding_window"] < hf.get("max_position_embeddings", math.inf):
-                raise CloverError(
-                    f"config: unsupported field sliding_window={hf['sliding_window']} "
-                    "(sliding-window attention is not implemented; set it to null to run full attention)"
-                )
-        if hf.get("attention_bias") and model_type != "qwen2":
-            raise CloverError("config: unsupported field attention_bias=true (only Qwen2 has q/k/v bias)")
-        unknown = sorted(k for k in hf if k not in _IGNORED and not k.endswith("_token_id"))
-        # Unknown keys are usually harmless metadata; only refuse the ones that name architecture.
-        risky = [k for k in unknown if any(w in k for w in ("rope", "attn", "attention", "norm", "layer", "moe", "expert"))]
-        if risky:
-            raise CloverError(f"config: unsupported field {risky[0]}={hf[risky[0]]!r}; this model is not a plain Llama-family decoder")
-
-        rope = dict(hf.get("rope_parameters") or {})
-        if hf.get("rope_scaling"):
-            rope.update(hf["rope_scaling"])
-        theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-        rope_type = rope.get("type", rope.get("rope_type", "default"))  # legacy rope_scaling "type" wins
-        if rope_type == "default":
-            scaling = None
-        elif rope_type == "llama3":
-            scaling = ("llama3", float(rope["factor"]), float(rope["low_freq_factor"]),
-                       float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
-        else:
-            raise CloverError(f"config: unsupported field rope_scaling type {rope_type!r} (supported: default, llama3)")
-
-        n = int(hf["num_attention_heads"])
-        d = int(hf["hidden_size"])
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
-        return cls(
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=d,
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
-            num_heads=n,
-            num_kv_heads=int(hf.get("num_key_value_heads") or n),
-            head_dim=int(hf.get("head_dim") or d // n),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2",
-            model_type=model_type,
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-        )
+        return cls(**hf_config.read(hf))
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
@@ -164,53 +118,30 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A Hugging Face config.json that `transformers` loads back into the same architecture."""
-        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
-        if self.rope_scaling:
-            _, factor, low, high, orig = self.rope_scaling
-            rope = {"rope_type": "llama3", "rope_theta": self.rope_theta, "factor": factor,
-                    "low_freq_factor": low, "high_freq_factor": high, "original_max_position_embeddings": orig}
-        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-        eos = list(self.eos_token_ids)
-        out = {
-            "architectures": [arch[self.model_type]],
-            "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            # Both spellings, so transformers 4.x (rope_theta/rope_scaling) and 5.x read the same rope.
-            "rope_theta": self.rope_theta,
-            "rope_scaling": None if self.rope_scaling is None else rope,
-            "rope_parameters": rope,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
-        }
-        if self.model_type == "llama":
-            out.update(attention_bias=False, mlp_bias=False)
-        if self.model_type in ("mistral", "qwen2"):
-            out.update(sliding_window=None, use_sliding_window=False)
-        return out
+        return hf_config.write(self)
 
     def fingerprint(self) -> str:
-        """A short stable id of the architecture (weights are fingerprinted in checkpoint code)."""
-        blob = json.dumps(dataclasses.asdict(self), sort_keys=True, default=str).encode()
+        """A short stable id of the architecture (weights are fingerprinted in checkpoint code). The
+        family fields count only where they differ from their defaults, so a Llama's id (kept in
+        datasets and heads written before they existed) stays what it was."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                  if not f.metadata.get("family") or getattr(self, f.name) != f.default}
+        blob = json.dumps(fields, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
 @functools.lru_cache(maxsize=None)
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [H/2] of the rotary embedding, with Llama-3 scaling applied (as HF does)."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> np.ndarray:
+    """Inverse frequencies [H/2] of the rotary embedding, with its scaling applied (as HF does); `local`:
+    a sliding-window layer's, which Gemma 3 gives its own base (`rope_local_theta`) and no scaling."""
     h = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
-    if cfg.rope_scaling is not None:
-        _, factor, low, high, orig = cfg.rope_scaling
+    own = local and cfg.rope_local_theta is not None
+    theta, scaling = (cfg.rope_local_theta, None) if own else (cfg.rope_theta, cfg.rope_scaling)
+    inv = 1.0 / (theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
+    if scaling is not None and scaling[0] == "linear":
+        inv = inv / scaling[1]
+    elif scaling is not None:
+        _, factor, low, high, orig = scaling
         low_wavelen, high_wavelen = orig / low, orig / high
         wavelen = 2 * math.pi / inv
         scaled = np.where(wavelen > low_wavelen, inv / factor, inv)

@@ -1,7 +1,8 @@
-"""Building blocks of a Llama decoder layer, named and laid out as Hugging Face names them.
+"""Building blocks of a decoder layer (Llama's, and what Qwen3 and Gemma 3 add to it), named and laid
+out as Hugging Face names them.
 
-Parameter names follow `transformers` (`o_proj`, `gate_proj`, `input_layernorm`, ...) and RoPE uses
-HF's rotate-half layout, so importing a checkpoint is a renaming plus transposes; the one exception is
+Parameter names follow `transformers` (`o_proj`, `gate_proj`, `input_layernorm`, `q_norm`,
+`pre_feedforward_layernorm`, ...) and RoPE uses HF's rotate-half layout, so importing a checkpoint is a renaming plus transposes; the one exception is
 `qkv_proj`, HF's q/k/v projections held as one parameter (`QKVProjection`). Every parameter
 carries logical axis names (`out_sharding` metadata) that `sharding.py` maps to a device mesh.
 Letters: B batch, T new tokens, S cache slots, N query heads, K kv heads, G = N/K, H head dim, D model.
@@ -118,15 +119,21 @@ def from_stored(parts: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm computed in float32 and cast back, as HF's LlamaRMSNorm does."""
+    """RMSNorm over the last axis, normalised in float32. Llama's (HF's LlamaRMSNorm): cast back to x's
+    dtype, then times w. `unit_offset` (Gemma's): times (1 + w) still in float32, then cast, with w
+    starting at 0. `axes`: the weight's logical axis (a q/k norm's is the head dim)."""
 
-    def __init__(self, dim: int, eps: float, dtype=jnp.float32):
-        self.weight = param(jnp.ones((dim,), dtype), ("embed",))
+    def __init__(self, dim: int, eps: float, dtype=jnp.float32, unit_offset: bool = False,
+                 axes: tuple[str] = ("embed",)):
+        self.weight = param((jnp.zeros if unit_offset else jnp.ones)((dim,), dtype), axes)
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        if self.unit_offset:
+            return (xf * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...].astype(x.dtype) * xf.astype(x.dtype)
 
 
@@ -148,12 +155,12 @@ def _grouped(q: jax.Array, kv: int) -> jax.Array:
     return jnp.swapaxes(q.reshape(b, t, kv, n // kv, h), 1, 2).reshape(b, kv, t * (n // kv), h)
 
 
-def _scores(qg: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
-    """Float32 scores [B, K, T*G, S] of grouped queries against keys [B, K, S, H]; the lowest float
-    where mask [B, T, S] is off."""
+def _scores(qg: jax.Array, k: jax.Array, mask: jax.Array, scalar: float | None = None) -> jax.Array:
+    """Float32 scores [B, K, T*G, S] of grouped queries against keys [B, K, S, H], divided by
+    sqrt(scalar) (H by default); the lowest float where mask [B, T, S] is off."""
     b, kv, tg, h = qg.shape
     t, s = mask.shape[1], k.shape[2]
-    scores = product("bkqh,bksh->bkqs", qg, k.astype(qg.dtype)).astype(jnp.float32) / np.sqrt(h)
+    scores = product("bkqh,bksh->bkqs", qg, k.astype(qg.dtype)).astype(jnp.float32) / np.sqrt(h if scalar is None else scalar)
     scores = jnp.where(mask[:, None, :, None, :], scores.reshape(b, kv, t, tg // t, s), jnp.finfo(jnp.float32).min)
     return scores.reshape(b, kv, tg, s)
 
@@ -180,17 +187,18 @@ def query_blocks(t: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
-def _attend_fresh(qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def _attend_fresh(qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scalar: float | None = None) -> jax.Array:
     """Softmax attention of grouped queries qg [B, K, T*G, H] over keys/values [B, K, S, H] under mask [B, T, S]."""
-    return product("bkqs,bksh->bkqh", jax.nn.softmax(_scores(qg, k, mask), axis=-1).astype(qg.dtype), v)
+    return product("bkqs,bksh->bkqh", jax.nn.softmax(_scores(qg, k, mask, scalar), axis=-1).astype(qg.dtype), v)
 
 
-def _attend_causal(qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def _attend_causal(qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scalar: float | None = None) -> jax.Array:
     """Softmax attention of grouped queries qg [B, K, T*G, H] over their own keys/values [B, K, T, H]
     under mask [B, T, T] and causality: a block of queries reads only the keys up to its last token.
     The keys after it are masked anyway; skipping them leaves 5/8 of the scores in four blocks, and
     smaller score arrays (SmolLM2's forward over 2,048 tokens on a 2-core CPU: 10.1 s in one block,
-    6.9 s in four, 1 s more compiling; smaller blocks gained nothing more there)."""
+    6.9 s in four, 1 s more compiling; smaller blocks gained nothing more there). A sliding window is
+    in the mask already; a block still reads the keys before it that the window masks."""
     b, kv, tg, h = qg.shape
     t = mask.shape[1]
     g = tg // t
@@ -198,12 +206,14 @@ def _attend_causal(qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -
     outs = []
     for s, e in query_blocks(t):
         block = q5[:, :, s:e].reshape(b, kv, (e - s) * g, h)
-        outs.append(_attend_fresh(block, k[:, :, :e], v[:, :, :e], mask[:, s:e, :e]).reshape(b, kv, e - s, g, h))
+        out = _attend_fresh(block, k[:, :, :e], v[:, :, :e], mask[:, s:e, :e], scalar)
+        outs.append(out.reshape(b, kv, e - s, g, h))
     return (outs[0] if len(outs) == 1 else jnp.concatenate(outs, 2)).reshape(b, kv, tg, h)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, cache: KVCache | None = None,
-           layer: int = 0, causal: bool = False) -> jax.Array:
+           layer: int = 0, causal: bool = False, *, positions: jax.Array | None = None,
+           window: int | None = None, scalar: float | None = None) -> jax.Array:
     """Grouped-query attention of T new tokens. q [B, T, N, H]; their own keys/values k/v [B, K, T, H].
 
     Without a cache, mask [B, T, T] says which new tokens each reads. With one, mask [B, T, S] is over
@@ -212,28 +222,41 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, cache: KVC
     reads a cache buffer after its write, so XLA updates it in place (attending over the written
     buffer made XLA:CPU copy every layer's buffer two or three times per step, a fifth of a step).
     `causal` (static; a forward without a cache or with a fresh one, as a prefill is): no token reads a
-    later one, whatever the mask says, which lets a long forward attend in blocks (`_attend_causal`)."""
+    later one, whatever the mask says, which lets a long forward attend in blocks (`_attend_causal`).
+    `window` W (static; a sliding-window layer's, with the new tokens' `positions` [B, T]): a query at
+    position p reads, of what the mask allows, only keys at positions k with p - k < W (transformers'
+    convention). A new token's key is at its own position and committed slot i at position i: a prefill
+    writes the prompt from slot 0 and a speculative step moves its accepted path to the slots right
+    after the committed ones. So a tree's nodes are windowed by their depth, not by their slot, and
+    tree verification is exact with no more from its caller than the positions it passes anyway.
+    `scalar`: scores are divided by sqrt(scalar), H by default (Gemma 3's query_pre_attn_scalar)."""
     b, t, n, h = q.shape
     kv = k.shape[1]
     qg = _grouped(q, kv)
     v = v.astype(q.dtype)
+    near = lambda key_positions: positions[:, :, None] - key_positions < window  # [B, T, *]
     among_new = mask
     if cache is not None:  # the new tokens' own slots, read off the mask over slots
         own = jnp.clip(cache.lengths[:, None] + jnp.arange(t)[None, :], 0, cache.max_len - 1)  # [B, T]
         among_new = jnp.take_along_axis(mask, jnp.broadcast_to(own[:, None, :], (b, t, t)), axis=2)
+    if window is not None:
+        among_new = among_new & near(positions[:, None, :])
     fresh = cache is None or cache.fresh  # a fresh cache (prefill) has no committed slot to read
     if causal and not fresh:
         raise ValueError("causal attention in blocks is for a forward with no committed slot to read")
     if causal:
-        out = _attend_causal(qg, k, v, among_new & jnp.tril(jnp.ones((t, t), bool)))
+        out = _attend_causal(qg, k, v, among_new & jnp.tril(jnp.ones((t, t), bool)), scalar)
     elif fresh:
-        out = _attend_fresh(qg, k, v, among_new)
+        out = _attend_fresh(qg, k, v, among_new, scalar)
     else:
         # One softmax over the committed slots and the new tokens, taken in two parts.
         cache_k, cache_v = cache.layer(layer)
-        committed = mask & (jnp.arange(cache.max_len)[None, None, :] < cache.lengths[:, None, None])
-        old = _scores(qg, cache_k, committed)
-        p_old, p_new = _split_softmax(old, _scores(qg, k, among_new))
+        slots = jnp.arange(cache.max_len)[None, None, :]
+        committed = mask & (slots < cache.lengths[:, None, None])
+        if window is not None:
+            committed = committed & near(slots)
+        old = _scores(qg, cache_k, committed, scalar)
+        p_old, p_new = _split_softmax(old, _scores(qg, k, among_new, scalar))
         mix = lambda p, values: product("bkqs,bksh->bkqh", p.astype(q.dtype), values.astype(q.dtype))
         out = mix(p_old, cache_v) + mix(p_new, v)
     return jnp.swapaxes(out.reshape(b, kv, t, n // kv, h), 1, 2).reshape(b, t, n, h)
@@ -270,14 +293,30 @@ def after(x: jax.Array, dep: jax.Array) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    """Grouped-query self-attention with rotary positions, reading and writing the KV cache."""
+    """Grouped-query self-attention with rotary positions, reading and writing the KV cache. With
+    `cfg.qk_norm`, each head's q and k are RMS-normalised over H before RoPE (Qwen3, Gemma 3). `local`:
+    a sliding-window layer (`attend`'s `window`), with the local RoPE where the family has one."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, local: bool = False):
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = QKVProjection(cfg, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(n * h, d, ("heads", "embed"), dtype=dtype, rngs=rngs)
+        head_norm = lambda: RMSNorm(h, cfg.rms_norm_eps, dtype, cfg.norm_unit_offset, axes=("head_dim",))
+        self.q_norm = head_norm() if cfg.qk_norm else None
+        self.k_norm = head_norm() if cfg.qk_norm else None
         self.shape = (n, k, h)
         self.cfg = cfg  # static: RoPE frequencies are derived from it at trace time
+        self.local = local
+        self.window = cfg.sliding_window if local else None
+
+    def project(self, x, positions):
+        """q [B, T, N, H] and k, v [B, K, T, H] (the cache's layout) of x [B, T, D], rotated to their positions."""
+        inv_freq = rope_inv_freq(self.cfg, self.local)
+        q, k, v = self.qkv_proj(x)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        return q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
 
     def __call__(self, x, positions, mask, cache: KVCache | None, layer: int, causal: bool = False):
         """x [B, T, D]; with a cache, attention reads its committed slots and the new tokens (mask
@@ -285,11 +324,9 @@ class Attention(nnx.Module):
         runs over the T tokens themselves with mask [B, T, T]. `causal`: as `attend`'s."""
         b, t, _ = x.shape
         n, k, h = self.shape
-        inv_freq = rope_inv_freq(self.cfg)
-        q, kk, vv = self.qkv_proj(x)
-        q, kk = apply_rope(q, positions, inv_freq), apply_rope(kk, positions, inv_freq)
-        kk, vv = jnp.swapaxes(kk, 1, 2), jnp.swapaxes(vv, 1, 2)  # [B, K, T, H], the cache's layout
-        out = attend(q, kk, vv, mask, cache, layer, causal)
+        q, kk, vv = self.project(x, positions)
+        out = attend(q, kk, vv, mask, cache, layer, causal, positions=positions, window=self.window,
+                     scalar=self.cfg.query_pre_attn_scalar)
         if cache is not None:  # written after the attention has read the cache
             # one output element per (sequence, kv head): the tie stays on each device of a mesh
             tie = jnp.swapaxes(out.reshape(b, t, k, n // k, h)[:, :1, :, :1, 0], 1, 2)  # [B, K, 1, 1]
@@ -297,42 +334,65 @@ class Attention(nnx.Module):
         return self.o_proj(out.reshape(b, t, n * h)), cache
 
 
+# The MLP's gate: SwiGLU's SiLU, GeGLU's tanh-approximated GELU (transformers' gelu_pytorch_tanh).
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """Gated MLP: down(act(gate(x)) * up(x)), act SiLU (SwiGLU) or tanh GELU (GeGLU, Gemma)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
         d, f = cfg.hidden_size, cfg.intermediate_size
         self.gate_proj = Linear(d, f, ("embed", "mlp"), dtype=dtype, rngs=rngs)
         self.up_proj = Linear(d, f, ("embed", "mlp"), dtype=dtype, rngs=rngs)
         self.down_proj = Linear(f, d, ("mlp", "embed"), dtype=dtype, rngs=rngs)
+        self.act = cfg.hidden_act
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm transformer layer. Also the Augmenting Block of Clover / Clover-2 (own cache)."""
+    """Pre-norm transformer layer. Also the Augmenting Block of Clover / Clover-2 (own cache).
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+    Llama's: x + attn(input_layernorm(x)), then + mlp(post_attention_layernorm(x)). Gemma 3's
+    (`cfg.sandwich_norms`) also normalises each branch's output: x + post_attention_layernorm(attn(
+    input_layernorm(x))), then + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x))).
+    `local`: the attention is a sliding-window layer's."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, local: bool = False):
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.norm_unit_offset)
+        self.input_layernorm = norm()
+        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs, local=local)
+        self.post_attention_layernorm = norm()
+        self.pre_feedforward_layernorm = norm() if cfg.sandwich_norms else None
+        self.post_feedforward_layernorm = norm() if cfg.sandwich_norms else None
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, positions, mask, cache: KVCache | None = None, layer: int = 0, causal: bool = False):
         attn, cache = self.self_attn(self.input_layernorm(x), positions, mask, cache, layer, causal)
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+        if self.pre_feedforward_layernorm is None:
+            x = x + attn
+            return x + self.mlp(self.post_attention_layernorm(x)), cache
+        x = x + self.post_attention_layernorm(attn)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), cache
 
 
 class Embed(nnx.Module):
-    """The token embedding table; with tied embeddings it is the lm_head too."""
+    """The token embedding table; with tied embeddings it is the lm_head too. `scale` (Gemma's
+    sqrt(D)): looked-up rows are multiplied by it in the table's dtype, as HF does (in bfloat16
+    sqrt(3072) = 55.43 becomes 55.5); the output projection reads the table unscaled."""
 
-    def __init__(self, vocab: int, dim: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, vocab: int, dim: int, *, dtype, rngs: nnx.Rngs, scale: float | None = None):
         self.embedding = param(0.02 * jax.random.normal(rngs.params(), (vocab, dim), dtype), ("vocab", "embed"))
+        # HF keeps the scale as a float32 tensor and casts that to the table's dtype
+        self.scale = None if scale is None else float(np.float32(scale))
 
     def __call__(self, tokens: jax.Array, dtype) -> jax.Array:
-        return jnp.take(self.embedding[...], tokens, axis=0).astype(dtype)
+        rows = jnp.take(self.embedding[...], tokens, axis=0)
+        if self.scale is not None:
+            rows = rows * jnp.asarray(self.scale, rows.dtype)
+        return rows.astype(dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Tied output projection: logits = x @ embedding^T."""

@@ -1,4 +1,4 @@
-"""The Llama-family base model as a Flax NNX module.
+"""The base model (Llama, Mistral, Qwen2, Qwen3, Gemma 3) as a Flax NNX module.
 
 It returns logits *and* the last hidden states before and after the final norm: Medusa and Clover
 heads read the pre-norm state, Clover-2's distillation loss the post-norm one. The same forward serves
@@ -29,13 +29,22 @@ class ModelOutput:
 
 
 class Llama(nnx.Module):
-    """Llama / Mistral / Qwen2 decoder. Attribute names mirror HF's `model.*` and `lm_head`."""
+    """The decoder of every family `ModelConfig` reads (the families add to the Llama layer; see
+    `layers.DecoderLayer`). Attribute names mirror HF's `model.*` and `lm_head`.
+
+    The KV cache is full length in every layer, sliding-window ones too: a local layer reads all S
+    slots under its window mask, so its cache costs what a global layer's does (Gemma 3 1B at 4K
+    tokens: 22 local layers keep 3,584 slots each they will never read again). A ring of W slots would
+    be written over by every tree the speculative step verifies, and the slots a rejected node took
+    would no longer hold the accepted history still inside the next step's window."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        scale = cfg.hidden_size ** 0.5 if cfg.embed_scale else None  # HF's own expression
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs, scale=scale)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs, local=cfg.is_local(i))
+                                for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.norm_unit_offset)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs)
 
