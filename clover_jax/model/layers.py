@@ -2,9 +2,9 @@
 out as Hugging Face names them.
 
 Parameter names follow `transformers` (`o_proj`, `gate_proj`, `input_layernorm`, `q_norm`,
-`pre_feedforward_layernorm`, ...) and RoPE uses HF's rotate-half layout, so importing a checkpoint is a renaming plus transposes; the one exception is
-`qkv_proj`, HF's q/k/v projections held as one parameter (`QKVProjection`). Every parameter
-carries logical axis names (`out_sharding` metadata) that `sharding.py` maps to a device mesh.
+`pre_feedforward_layernorm`, ...) and RoPE uses HF's rotate-half layout, so importing a checkpoint
+is a renaming plus transposes; the one exception is `qkv_proj`, HF's q/k/v projections held as one
+parameter (`QKVProjection`). Every parameter carries logical axis names (`out_sharding` metadata) that `sharding.py` maps to a device mesh.
 Letters: B batch, T new tokens, S cache slots, N query heads, K kv heads, G = N/K, H head dim, D model.
 """
 
@@ -160,7 +160,8 @@ def _scores(qg: jax.Array, k: jax.Array, mask: jax.Array, scalar: float | None =
     sqrt(scalar) (H by default); the lowest float where mask [B, T, S] is off."""
     b, kv, tg, h = qg.shape
     t, s = mask.shape[1], k.shape[2]
-    scores = product("bkqh,bksh->bkqs", qg, k.astype(qg.dtype)).astype(jnp.float32) / np.sqrt(h if scalar is None else scalar)
+    scores = product("bkqh,bksh->bkqs", qg, k.astype(qg.dtype)).astype(jnp.float32)
+    scores = scores / np.sqrt(h if scalar is None else scalar)
     scores = jnp.where(mask[:, None, :, None, :], scores.reshape(b, kv, t, tg // t, s), jnp.finfo(jnp.float32).min)
     return scores.reshape(b, kv, tg, s)
 
@@ -189,7 +190,8 @@ def query_blocks(t: int) -> list[tuple[int, int]]:
 
 def _attend_fresh(qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scalar: float | None = None) -> jax.Array:
     """Softmax attention of grouped queries qg [B, K, T*G, H] over keys/values [B, K, S, H] under mask [B, T, S]."""
-    return product("bkqs,bksh->bkqh", jax.nn.softmax(_scores(qg, k, mask, scalar), axis=-1).astype(qg.dtype), v)
+    p = jax.nn.softmax(_scores(qg, k, mask, scalar), axis=-1)
+    return product("bkqs,bksh->bkqh", p.astype(qg.dtype), v)
 
 
 def _attend_causal(qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scalar: float | None = None) -> jax.Array:
