@@ -34,12 +34,21 @@ and --num-heads still call it num_heads. Saved with the weights: the variables o
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import flax.struct
 import jax
 from flax import nnx
 
 from clover_jax.errors import CloverError
+
+
+class ConfigKeys(dict):
+    """config.json keys that hash: a HeadsConfig is a static part of its drafter's graph, which jit
+    hashes."""
+
+    def __hash__(self):
+        return hash(json.dumps(self, sort_keys=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +69,12 @@ class HeadsConfig:
     # Medusa: each head scores with a vocabulary projection of its own (Medusa-1's heads), not the base
     # model's frozen lm_head.
     own_lm_head: bool = False
+    # EAGLE-1/3: the draft decoder layer's own config where a checkpoint gives it one unlike the base
+    # model's layers, as config.json keys (`draft_model.DRAFT_LAYER_KEYS`); None: the base model's.
+    draft_layer: dict | None = None
+    # EAGLE-1/3: the published variants' switches that are on, by their checkpoint configs' names
+    # (each drafter's `SWITCHES`), e.g. ("norm_before_residual",); () for the drafters train.train makes.
+    switches: tuple[str, ...] = ()
 
     def __post_init__(self):
         from clover_jax.drafters import registry  # the registry names the drafter classes: imported late
@@ -80,6 +95,13 @@ class HeadsConfig:
             if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
                 raise CloverError(f"aux_layer_ids={ids!r} must be a list of decoder layer indices (0-based)")
             object.__setattr__(self, "aux_layer_ids", tuple(ids))
+        if self.draft_layer is not None:
+            if not isinstance(self.draft_layer, dict):
+                raise CloverError(f"draft_layer={self.draft_layer!r} must be a dict of config.json keys")
+            object.__setattr__(self, "draft_layer", ConfigKeys(self.draft_layer))
+        if not isinstance(self.switches, (list, tuple)) or not all(isinstance(s, str) for s in self.switches):
+            raise CloverError(f"switches={self.switches!r} must be a list of switch names")
+        object.__setattr__(self, "switches", tuple(self.switches))
         if self.embed_source not in ("lm_head", "input"):
             raise CloverError(f"embed_source={self.embed_source!r} must be 'lm_head' or 'input'")
 

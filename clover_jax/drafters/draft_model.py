@@ -3,9 +3,10 @@
 Both run one Llama decoder layer (`DraftLayer`) over entries: entry t pairs the token x_{t+1} with a
 feature at t, and the layer's output o_t is the predicted feature at t+1, which scores x_{t+2}.
 - committed entries (`commit`) take the base model's feature: EAGLE-1 its last hidden state before the
-  final norm, EAGLE-3 an FC fusion (3D -> D) of a low, a middle and a high layer's outputs
-  (`model.llama.eagle3_layers`), both from verification's own forward pass; they go into the draft layer's
-  own KV cache, written only for the committed (accepted) positions, so it never holds a rejected token;
+  final norm (after it in the authors' published drafters: switch normed_features), EAGLE-3 an FC
+  fusion (3D -> D) of a low, a middle and a high layer's outputs (`model.llama.eagle3_layers`), both
+  from verification's own forward pass; they go into the draft layer's own KV cache, written only for
+  the committed (accepted) positions, so it never holds a rejected token;
 - a tree node at depth k >= 1 is entry L - 1 + k (its position), holding its token and its parent's
   output o as the feature (the Frontier's carry); its K/V go to cache slot L - 1 + its draft slot and
   it reads the committed entries plus its ancestors' (`frontier.ancestors`, the mask verification
@@ -15,6 +16,9 @@ lm_head of its own over a reduced draft vocabulary (`ids`, spread back over the 
 The entry: EAGLE-1 x = FC([E(x_{t+1}); f_t]) (2D -> D, bias; the layer has no input norm, as the
 authors' first layer); EAGLE-3 attends over [input_norm(E(x_{t+1})); hidden_norm(g_t)] (q, k, v
 project from 2D) with g_t the residual stream. E is the base model's input embedding, frozen.
+The layer has the base model's layer shape unless `HeadsConfig.draft_layer` gives one of its own
+(published drafters have their own heads, MLP width and RoPE: `layer_config`), and `HeadsConfig.switches`
+turns on the published variants a drafter implements (its `SWITCHES`; any other is refused in one line).
 
 Training (`train_forward`, `unroll`) is EAGLE-3's training-time test for both: step 0 runs the layer causally over the
 target features; step j feeds each position its own step j-1 output and the true token j further
@@ -31,9 +35,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from clover_jax.drafters.base import Committed, Drafter, Frontier
+from clover_jax.drafters.base import Committed, Drafter, Frontier, HeadsConfig
 from clover_jax.drafters.losses import shift_left
 from clover_jax.drafters.vocab import DraftVocab
+from clover_jax.errors import CloverError
 from clover_jax.model.cache import KVCache, causal_mask, tree_mask
 from clover_jax.model.config import ModelConfig, rope_inv_freq
 from clover_jax.model.layers import MLP, Attention, QKVProjection, RMSNorm, apply_rope, attend_unrolled
@@ -41,6 +46,40 @@ from clover_jax.model.llama import Llama, causal_self_mask
 from clover_jax.model.sharding import constrain_cache
 
 NO_LOGIT = -1e9  # the logit of a token outside EAGLE-3's draft vocabulary: probability 0, finite log
+
+# The config.json keys of a draft layer that a checkpoint sets apart from the base model's layers
+# (`HeadsConfig.draft_layer` holds all of them, or is None).
+DRAFT_LAYER_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps",
+                    "rope_theta", "rope_scaling")
+
+
+def layer_config(base_cfg: ModelConfig, draft_layer: dict | None) -> ModelConfig:
+    """The draft layer's config: the base model's (draft_layer None), or a Llama layer of the base's width
+    with draft_layer's keys (every one of DRAFT_LAYER_KEYS; rope_scaling None or HF's dict). A missing
+    or unknown key, or a value the engine does not run (a rope type it lacks), is one line."""
+    if draft_layer is None:
+        return base_cfg
+    missing = [k for k in DRAFT_LAYER_KEYS if k not in draft_layer]
+    unknown = sorted(set(draft_layer) - set(DRAFT_LAYER_KEYS))
+    if missing or unknown:
+        raise CloverError(f"draft_layer {'lacks' if missing else 'has unknown'} key {(missing or unknown)[0]!r}; "
+                          f"it holds exactly {', '.join(DRAFT_LAYER_KEYS)}")
+    hf = {"model_type": "llama", "vocab_size": base_cfg.vocab_size, "hidden_size": base_cfg.hidden_size,
+          "num_hidden_layers": 1, "max_position_embeddings": base_cfg.max_position_embeddings, **draft_layer}
+    return ModelConfig.from_hf_dict(hf)
+
+
+def layer_keys(cfg: ModelConfig) -> dict:
+    """`layer_config`'s inverse: the DRAFT_LAYER_KEYS of a layer config, as config.json writes them."""
+    hf = cfg.to_hf_dict()
+    return {k: hf[k] for k in DRAFT_LAYER_KEYS}
+
+
+def check_switches(hcfg: HeadsConfig, known: tuple[str, ...]) -> None:
+    """One line for a switch the drafter of hcfg's method does not implement."""
+    odd = [s for s in hcfg.switches if s not in known]
+    if odd:
+        raise CloverError(f"{hcfg.method} drafters have no switch {odd[0]!r} (theirs: {', '.join(known) or 'none'})")
 
 
 @flax.struct.dataclass
@@ -116,14 +155,20 @@ class EagleDrafter(nnx.Module, Drafter):
         over the engine's draft vocabulary."""
         raise NotImplementedError
 
+    def output(self, out):
+        """What an entry whose layer output is out [..., D] hands on, as its children's feature and what
+        `logits` scores: the output itself, unless a variant normalises it (speculators' norm_output)."""
+        return out
+
     def init(self, base: Llama, batch: int, cache_len: int, mesh=None) -> EagleState:
-        c = base.cfg
+        c = self.layer.self_attn.cfg  # the draft layer's own heads (`layer_config`)
         cache = KVCache.zeros(1, batch, cache_len, c.num_kv_heads, c.head_dim, base.dtype)
         return EagleState(constrain_cache(cache, mesh), jnp.zeros((batch, c.hidden_size), base.dtype))
 
     def _run(self, base, tokens, feature, positions, mask, cache):
         attn_in, residual = self.entry(base, tokens, feature)
-        return self.layer(attn_in, residual, positions, mask, cache)
+        out, cache = self.layer(attn_in, residual, positions, mask, cache)
+        return self.output(out), cache
 
     def commit(self, base: Llama, state: EagleState, new: Committed, count, live) -> EagleState:
         """The T new entries, causal over the committed ones; only the first count[b] are kept (the
@@ -169,7 +214,7 @@ class EagleDrafter(nnx.Module, Drafter):
             q, kk, vv = self.layer.project(attn_in, pos + k)
             keys.append(kk)
             values.append(vv)
-            feature = self.layer.over(q, keys[0], values[0], causal, keys[1:], values[1:], residual)
+            feature = self.output(self.layer.over(q, keys[0], values[0], causal, keys[1:], values[1:], residual))
             outs.append(feature)
         return jnp.stack(outs)
 

@@ -1,6 +1,7 @@
 """EAGLE-1: the draft model fed the base model's last hidden state (before the final norm) and the next
 token, FC([E(x); f]) into one decoder layer, scored by the base model's frozen norm and lm_head; trained
-on its first step's feature and distribution (`eagle_loss`).
+on its first step's feature and distribution (`eagle_loss`). The authors' published drafters feed the
+state after the final norm and score with the lm_head alone (switch normed_features).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from clover_jax.drafters.draft_model import DraftLayer, EagleDrafter
+from clover_jax.drafters.draft_model import DraftLayer, EagleDrafter, check_switches, layer_config
 from clover_jax.drafters.losses import (
     base_distribution,
     masked_mean,
@@ -18,6 +19,7 @@ from clover_jax.drafters.losses import (
     soft_cross_entropy,
     targets_and_masks,
 )
+from clover_jax.errors import CloverError
 from clover_jax.model.layers import Linear
 from clover_jax.model.llama import Llama
 
@@ -28,17 +30,22 @@ class Eagle(EagleDrafter):
     """EAGLE-1: x = FC([E(x_{t+1}); f_t]) (2D -> D, bias) into one decoder layer without an input norm,
     f_t the base model's last hidden state before the final norm; the output predicts f_{t+1}, scored by
     the base model's frozen final norm and lm_head. Trained with uniform noise of width 0.2 on the
-    target features (the authors' AddUniformNoise(std=0.2) also scales it by 512 / sequence length)."""
+    target features (the authors' AddUniformNoise(std=0.2) also scales it by 512 / sequence length).
+    With switch normed_features, as the authors' code runs (`cnets1.py`, fed `base_model.model`'s
+    output), f_t is the state after the final norm and the output is scored by the lm_head alone."""
 
+    SWITCHES = ("normed_features",)
     feature_noise = 0.2
 
     def __init__(self, hcfg, base: Llama, *, rngs: nnx.Rngs):
+        check_switches(hcfg, self.SWITCHES)
         cfg, dtype, d = base.cfg, base.dtype, base.cfg.hidden_size
-        super().__init__(hcfg, base, DraftLayer(cfg, d, dtype=dtype, rngs=rngs))
+        super().__init__(hcfg, base, DraftLayer(layer_config(cfg, hcfg.draft_layer), d, dtype=dtype, rngs=rngs))
         self.fc = Linear(2 * d, d, ("embed", "embed_out"), bias=True, dtype=dtype, rngs=rngs)
+        self.normed = "normed_features" in hcfg.switches
 
     def committed_feature(self, base, hidden, features):
-        return hidden
+        return base.norm(hidden) if self.normed else hidden  # base.norm(hidden) is the pass's own normed state
 
     def entry(self, base, tokens, feature):
         e = jax.lax.stop_gradient(base.embed_tokens(tokens, feature.dtype))
@@ -46,8 +53,16 @@ class Eagle(EagleDrafter):
         return x, x
 
     def logits(self, base, out, vocab=None):
-        normed = base.norm(out)
+        normed = out if self.normed else base.norm(out)
         return base.logits(normed) if vocab is None else vocab.logits(normed)
+
+    def train_forward(self, base, tokens, hidden, hidden_normed=None, features=None, vocab=None, key=None,
+                      steps=None):
+        if self.normed:
+            raise CloverError("EAGLE-1 drafters fed the normed feature (switch normed_features, the authors' "
+                              "published ones) draft but do not train here: eagle_loss regresses the feature "
+                              "before the final norm")
+        return super().train_forward(base, tokens, hidden, hidden_normed, features, vocab, key, steps)
 
 
 def eagle_loss(head_hidden, head_logits, base_normed, base_logits, tokens, loss_mask, base_hidden=None):

@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 
 from clover_jax.drafters.base import DraftIds
-from clover_jax.drafters.draft_model import NO_LOGIT, DraftLayer, EagleDrafter
+from clover_jax.drafters.draft_model import NO_LOGIT, DraftLayer, EagleDrafter, check_switches, layer_config
 from clover_jax.drafters.losses import base_distribution, masked_mean, shift_left, soft_cross_entropy, targets_and_masks
 from clover_jax.drafters.vocab import DraftVocab
 from clover_jax.errors import CloverError
@@ -25,27 +25,39 @@ EAGLE3_DECAY = 0.8  # training-time test step k weighted 0.8^k (the authors' mai
 
 class Eagle3(EagleDrafter):
     """EAGLE-3: committed features g = FC([low; mid; high]) (3D -> D, no bias) of the base layers
-    hcfg.aux_layer_ids (default `eagle3_layers(L)`, the authors' outputs of 1, L // 2 - 1, L - 4); attention reads [input_norm(E(x)); hidden_norm(g)] (2D), g the residual; a
-    draft entry's g is its parent's output. Scored by a norm and lm_head of its own over the draft
-    vocabulary `ids` (hcfg.draft_vocab tokens, 0: all; `set_vocab` picks them), initialised from the
-    base model's final norm and lm_head rows."""
+    hcfg.aux_layer_ids (default `eagle3_layers(L)`, the authors' outputs of 1, L // 2 - 1, L - 4);
+    attention reads [input_norm(E(x)); hidden_norm(g)] (2D), g the residual; a draft entry's g is its
+    parent's output. Scored by a norm and lm_head of its own over the draft vocabulary `ids`
+    (hcfg.draft_vocab tokens, 0: all; `set_vocab` picks them), initialised from the base model's final
+    norm and lm_head rows. The published variants' switches (`SWITCHES`, as SpecForge and speculators
+    name them): norm_before_residual, the residual is hidden_norm(g); fc_norm, each feature layer's
+    output gets an RMSNorm of its own (`fc_norm`) before the FC; norm_output, an entry hands on (and
+    scores) norm(o) rather than o."""
 
+    SWITCHES = ("norm_before_residual", "fc_norm", "norm_output")
     own_vocab = True
 
     def __init__(self, hcfg, base: Llama, *, rngs: nnx.Rngs):
+        check_switches(hcfg, self.SWITCHES)
         cfg, dtype, d = base.cfg, base.dtype, base.cfg.hidden_size
-        super().__init__(hcfg, base, DraftLayer(cfg, 2 * d, dtype=dtype, rngs=rngs))
+        layer_cfg = layer_config(cfg, hcfg.draft_layer)
+        super().__init__(hcfg, base, DraftLayer(layer_cfg, 2 * d, dtype=dtype, rngs=rngs))
         layers = hcfg.aux_layer_ids or eagle3_layers(cfg.num_layers)
         if max(layers) >= cfg.num_layers:
             raise CloverError(f"EAGLE-3 aux_layer_ids {list(layers)} name layers the {cfg.num_layers}-layer base "
                               "model does not have; these heads belong to a deeper model")
         self.feature_layers = tuple(layers)
         self.hcfg = dataclasses.replace(hcfg, aux_layer_ids=self.feature_layers)  # heads.json names them
+        eps = layer_cfg.rms_norm_eps  # the published drafters' norms all take the layer config's epsilon
         self.fc = Linear(len(layers) * d, d, ("embed", "embed_out"), dtype=dtype, rngs=rngs)
-        self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps, dtype)
-        self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
-        self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.fc_norm = (nnx.List([RMSNorm(d, eps, dtype) for _ in layers]) if "fc_norm" in hcfg.switches
+                        else None)
+        self.input_layernorm = RMSNorm(d, eps, dtype)
+        self.hidden_norm = RMSNorm(d, eps, dtype)
+        self.norm = RMSNorm(d, eps, dtype)
         self.norm.weight[...] = jnp.copy(base.norm.weight[...])
+        self.norm_before_residual = "norm_before_residual" in hcfg.switches
+        self.norm_output = "norm_output" in hcfg.switches
         n = hcfg.draft_vocab or cfg.vocab_size
         self.lm_head = Linear(d, n, ("embed", "vocab"), dtype=dtype, rngs=rngs)
         self.ids = DraftIds(jnp.arange(n, dtype=jnp.int32))
@@ -60,11 +72,24 @@ class Eagle3(EagleDrafter):
 
     def committed_feature(self, base, hidden, features):
         b, t = features.shape[:2]
-        return self.fc(features.reshape(b, t, -1).astype(base.dtype))
+        features = features.astype(base.dtype)
+        if self.fc_norm is not None:
+            features = jnp.stack([norm(features[:, :, i]) for i, norm in enumerate(self.fc_norm)], 2)
+        return self.fc(features.reshape(b, t, -1))
 
     def entry(self, base, tokens, feature):
         e = jax.lax.stop_gradient(base.embed_tokens(tokens, feature.dtype))
-        return jnp.concatenate([self.input_layernorm(e), self.hidden_norm(feature)], -1), feature
+        normed = self.hidden_norm(feature)
+        return (jnp.concatenate([self.input_layernorm(e), normed], -1),
+                normed if self.norm_before_residual else feature)
+
+    def output(self, out):
+        return self.norm(out) if self.norm_output else out
+
+    def _scored(self, out):
+        """What the lm_head reads of an entry's `output` out: norm(out), or out itself when the output is
+        normed already (norm_output)."""
+        return out if self.norm_output else self.norm(out)
 
     def loss_vocab(self, base: Llama, vocab: DraftVocab | None) -> DraftVocab:
         """Its own draft vocabulary, whatever was asked: EAGLE-3 learns over the tokens it drafts."""
@@ -73,7 +98,7 @@ class Eagle3(EagleDrafter):
     def train_logits(self, base: Llama, out, vocab: DraftVocab | None):
         """Over its own draft vocabulary [..., N] when `vocab` is given (`loss_vocab`'s: the same ids),
         so training never spreads them over the whole vocabulary."""
-        return self.logits(base, out) if vocab is None else self.lm_head(self.norm(out)).astype(jnp.float32)
+        return self.logits(base, out) if vocab is None else self.lm_head(self._scored(out)).astype(jnp.float32)
 
     def drafting_vocab(self, base: Llama, vocab: DraftVocab | None) -> DraftVocab | None:
         """The engine's draft vocabulary cut to the tokens of its own (no other can be drafted), with
@@ -93,8 +118,8 @@ class Eagle3(EagleDrafter):
     def logits(self, base, out, vocab=None):
         """Over the whole vocabulary (NO_LOGIT off its own ids), or over `drafting_vocab`'s tokens."""
         if vocab is not None:
-            return vocab.logits(self.norm(out))
-        own = self.lm_head(self.norm(out)).astype(jnp.float32)  # [..., N]
+            return vocab.logits(self._scored(out))
+        own = self.lm_head(self._scored(out)).astype(jnp.float32)  # [..., N]
         return jnp.full(own.shape[:-1] + (base.cfg.vocab_size,), NO_LOGIT, jnp.float32).at[..., self.ids[...]].set(own)
 
 

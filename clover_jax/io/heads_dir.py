@@ -32,6 +32,7 @@ from clover_jax.drafters import registry
 from clover_jax.drafters.base import SAVED, DraftIds, Drafter, HeadsConfig
 from clover_jax.drafters.vocab import DraftVocab, ranking, resolve_size
 from clover_jax.errors import CloverError
+from clover_jax.io import formats
 from clover_jax.io.files import check_free_space, check_whole, replace_together, space_errors
 from clover_jax.model.layers import from_stored, stored_parts, to_stored
 from clover_jax.model.llama import Llama, legacy_eagle3_layers
@@ -145,8 +146,9 @@ def held_out_chain_tau(heads_dir: str | Path | None) -> list[float] | None:
     """The held-out tokens a step that chains through the first 1, 2, ... heads reached
     (`val_chain_tau_by_depth` in heads.json, which `--tree auto` on a CPU picks its chain depth by):
     train.train's own figure, else one train.evaluate recorded for heads exported before train.train
-    kept it; None for heads with neither, or no directory (random heads)."""
-    if heads_dir is None:
+    kept it; None for heads with neither, no directory (random heads), or a published drafter's (no
+    heads.json: `formats`)."""
+    if heads_dir is None or (Path(heads_dir).is_dir() and not (Path(heads_dir) / CONFIG).is_file()):
         return None
     meta = read_heads_config(heads_dir)
     found = [m["val_chain_tau_by_depth"] for m in (meta.get("held_out"), meta.get("evaluated"))
@@ -228,7 +230,12 @@ def load_draft_vocab(heads_dir: str | Path | None, base: Llama, spec: str | int 
 
 
 def load_heads(heads_dir: str | Path, base: Llama, method: str | None = None) -> Drafter:
-    """Load heads for `base`; refuses heads of another method or trained for another base model."""
+    """Load heads for `base`: ours (heads.json), or a drafter another project published, in a directory
+    without heads.json (`formats.load_drafter`: EAGLE-3 of SpecForge, speculators or the EAGLE authors,
+    Medusa-1, EAGLE-1). Refuses heads of another method or trained for another base model."""
+    check_whole(heads_dir, "heads")
+    if Path(heads_dir).is_dir() and not (Path(heads_dir) / CONFIG).is_file():
+        return formats.load_drafter(heads_dir, base, method)
     meta = read_heads_config(heads_dir)
     fields = dict(meta["heads"])
     if fields["method"] == "eagle3" and "aux_layer_ids" not in fields:
