@@ -4,7 +4,8 @@ out as Hugging Face names them.
 Parameter names follow `transformers` (`o_proj`, `gate_proj`, `input_layernorm`, `q_norm`,
 `pre_feedforward_layernorm`, ...) and RoPE uses HF's rotate-half layout, so importing a checkpoint
 is a renaming plus transposes; the one exception is `qkv_proj`, HF's q/k/v projections held as one
-parameter (`QKVProjection`). Every parameter carries logical axis names (`out_sharding` metadata) that `sharding.py` maps to a device mesh.
+parameter (`QKVProjection`). Every parameter carries logical axis names (`out_sharding` metadata)
+that `sharding.py` maps to a device mesh.
 Letters: B batch, T new tokens, S cache slots, N query heads, K kv heads, G = N/K, H head dim, D model.
 """
 
