@@ -15,6 +15,7 @@ from cli.chat import (
     read_chat_template,
 )
 from cli.prompts import (
+    default_prompts,
     encode_prompts,
     first_prompt,
     prompt_system,

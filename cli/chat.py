@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from clover_jax.errors import CloverError
-from clover_jax.io import tokenization
+from clover_jax.io import sources, tokenization
 
 # Chat templates for models whose tokenizer ships none. vicuna: FastChat's vicuna_v1.1 conversation, the
 # format Vicuna was trained on and Medusa, EAGLE and Spec-Bench prompt it with ("SYSTEM USER: q
@@ -52,10 +52,14 @@ def add_chat_flags(p, chat_help: str = "wrap each prompt as a user turn in the t
                         "template's own)")
 
 
-def chat_template_flag(chat: bool, chat_template: str | None) -> str | None:
-    """--chat-template, refused in one line without --chat (it is the template --chat renders with)."""
+def chat_template_flag(chat: bool, chat_template: str | None, model=None) -> str | None:
+    """--chat-template, refused in one line without --chat (it is the template --chat renders with);
+    --chat with a named base model (`model`: --model's value) and no template of its own is refused too."""
     if chat_template is not None and not chat:
         raise CloverError("--chat-template is the template --chat renders prompts with; add --chat")
+    if chat and chat_template is None and sources.is_base_model(model):
+        raise CloverError(f"--chat: {model} is a base model, not instruction-tuned, and has no chat template; drop "
+                          "--chat (--interactive chats too) and give it plain text to continue")
     return chat_template
 
 

@@ -94,6 +94,19 @@ def read_prompts(path: str | Path) -> list[str]:
     return [text for text, _ in read_prompt_turns(path)]
 
 
+def default_prompts(model, path: Path) -> str | Path:
+    """The prompts a benchmark asks by default: prompts.jsonl beside the checkpoint `path`, or for a named
+    model (--model's value) in the project's folder for it (`sources.shipped_dir`: gemma3's, plain text
+    for a base model); a named model without one is a chat model, asked MT-Bench's questions (`mt-bench`).
+    None found is one error line."""
+    own = (sources.shipped_dir(model) or Path(path)) / "prompts.jsonl"
+    if own.is_file():
+        return own
+    if sources.is_named(model, "model"):
+        return "mt-bench"
+    raise CloverError(f"no prompts file at {own}; pass --prompts FILE")
+
+
 def prompt_system(own: str | None, chat: bool, system: str | None) -> str | None:
     """The system turn a prompt is rendered with: under --chat its record's own when it has one (the
     conversation was written under it), else --system; without --chat there are no turns to keep."""

@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", metavar="FILE",
                    help="JSONL prompts: {\"prompt\"}, Spec-Bench {\"turns\"} or ShareGPT {\"conversations\"} "
                         "records, their first turns and, with --chat, their later ones (--turns) "
-                        "(default: MODEL/prompts.jsonl)")
+                        "(default: MODEL/prompts.jsonl; for a named model the project's prompts for it, gemma3's "
+                        "plain-text Spec-Bench-style tasks for a base model, else MT-Bench's questions)")
     cli.add_chat_flags(p)
     p.add_argument("--turns", choices=("first", "all"),
                    help="with --chat: also measure each later turn of a multi-turn record (Spec-Bench's MT-Bench "
@@ -320,11 +321,8 @@ def _benchmark(args: argparse.Namespace) -> int:
     _check_outputs(args)  # before anything loads or is timed (--tree auto may time a step on a CPU)
     path = sources.model_dir(args.model)
     cfg = ModelConfig.from_pretrained(path)
-    tokenizer = cli.load_tokenizer(path, cli.chat_template_flag(args.chat, args.chat_template))
-    # A named model has no prompts file beside it: it is a chat model, asked MT-Bench's questions.
-    prompt_file = args.prompts or ("mt-bench" if sources.is_named(args.model, "model") else path / "prompts.jsonl")
-    if args.prompts is None and not Path(prompt_file).is_file():
-        raise CloverError(f"no prompts file at {prompt_file}; pass --prompts FILE")
+    tokenizer = cli.load_tokenizer(path, cli.chat_template_flag(args.chat, args.chat_template, args.model))
+    prompt_file = args.prompts or cli.default_prompts(args.model, path)
     if args.turns == "all" and not args.chat:
         raise CloverError("--turns all asks later turns after the conversation so far, as the chat template renders "
                           "it; add --chat, or drop --turns")

@@ -298,7 +298,7 @@ def _generate(args: argparse.Namespace) -> int:
                               draft_temperature=args.draft_temperature)
     path = sources.model_dir(args.model)
     cfg = ModelConfig.from_pretrained(path)
-    tokenizer = cli.load_tokenizer(path, cli.chat_template_flag(args.chat, args.chat_template))
+    tokenizer = cli.load_tokenizer(path, cli.chat_template_flag(args.chat, args.chat_template, args.model))
     if args.interactive:
         tokenization.render_chat(tokenizer, tokenization.chat_messages([], "", args.system))  # no chat template: one line, before loading
         texts = []

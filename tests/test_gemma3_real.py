@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 import cli
 from clover_jax.engine.decode import Generator
+from clover_jax.errors import CloverError
 from clover_jax.io import sources
 from clover_jax.model.config import SUPPORTED_MODEL_TYPES
 
@@ -120,3 +121,27 @@ def test_our_logits_and_greedy_tokens_match_transformers(gemma3, transformers_mo
         ref = transformers_model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=1,
                                           pad_token_id=0)[0, len(ids):].tolist()
     assert Generator(ours, max_len=128).generate([ids], 16).tokens[0] == ref
+
+
+def test_chat_with_the_base_model_is_one_line_before_the_model_loads(gemma3, capsys):
+    from infer import generate
+
+    assert generate.main(["--model", "gemma3", "--chat", "--prompt", "Hello"]) == 2  # a user error
+    err = capsys.readouterr().err
+    assert "gemma3 is a base model" in err and "drop --chat" in err and err.count("\n") == 1
+    assert cli.chat_template_flag(True, "vicuna", "gemma3") == "vicuna"  # a template named by hand is the user's call
+    assert cli.chat_template_flag(True, None, "smollm2") is None
+
+
+def test_the_benchmark_asks_the_base_model_plain_text_tasks(tmp_path):
+    from infer.tasks import tasks_of
+
+    path = cli.default_prompts("gemma3", tmp_path)
+    assert path == sources.SHIPPED / "gemma3" / "prompts.jsonl"
+    records = cli.read_records(path)
+    tasks = tasks_of(records)
+    assert sorted(set(tasks)) == ["continuation", "math_reasoning", "qa", "rag", "summarization", "translation"]
+    assert all(tasks.count(t) == 3 for t in set(tasks))
+    assert cli.default_prompts("smollm2", tmp_path) == "mt-bench"  # a chat model: MT-Bench's questions
+    with pytest.raises(CloverError, match="no prompts file at .*prompts.jsonl; pass --prompts FILE"):
+        cli.default_prompts(tmp_path, tmp_path)

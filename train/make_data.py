@@ -334,7 +334,7 @@ def make_data(args: argparse.Namespace) -> int:
     if args.answers and args.mode != "self":
         raise CloverError("--answers keeps the base model's own answers; it goes with --mode self")
     skip = sources.is_named(args.prompts) if args.skip is None else args.skip
-    tokenizer = cli.load_tokenizer(base_dir, cli.chat_template_flag(args.chat, args.chat_template))
+    tokenizer = cli.load_tokenizer(base_dir, cli.chat_template_flag(args.chat, args.chat_template, args.base))
     eos = tokenization.eos_ids(base_dir, cfg, tokenizer)
     listed, skipped = read_examples(args.prompts, skip)
     records, examples = [], []
