@@ -32,6 +32,7 @@ from clover_jax.drafters.heads import HeadsConfig, make_heads
 from clover_jax.errors import CloverError
 from clover_jax.io import formats
 from clover_jax.io.formats import weights
+from clover_jax.io.heads_dir import load_heads, save_heads
 from clover_jax.io.hf import load_pretrained, save_safetensors
 from clover_jax.model.llama import causal_self_mask, eagle3_layers
 from conftest import assert_one_line, tiny_tokenizer
@@ -233,15 +234,22 @@ def state_of(drafter) -> dict:
 @pytest.mark.parametrize("case, out_format", [("sglang", "sglang"), ("sglang", "speculators"),
                                               ("authors-layers0-embed", "sglang"),
                                               ("speculators-switches", "speculators"), ("ours", "sglang"),
-                                              ("ours", "speculators")])
+                                              ("ours", "speculators"), ("speculators-switches", "heads.json")])
 def test_exports_load_back_identically(case, out_format, base_dir, base, tmp_path):
     """Export -> import gives the same drafter (config, every tensor, the draft vocabulary), in SpecForge's
-    or speculators' format; for our own drafters too (their base-shaped layer, default feature layers)."""
+    or speculators' format; for our own drafters too (their base-shaped layer, default feature layers);
+    and an imported drafter saved as our heads (heads.json keeping its draft layer and switches)."""
     if case == "ours":
         drafter = make_heads(HeadsConfig("eagle3", 7, draft_vocab=N), base, seed=5)
         drafter.set_vocab(base, jnp.asarray(np.sort(np.random.default_rng(0).permutation(base.cfg.vocab_size)[:N])))
     else:
         drafter = formats.load_drafter(make_case(case, tmp_path / "in", base_dir)[0], base)
+    if out_format == "heads.json":
+        back = load_heads(save_heads(drafter, base, tmp_path / "ours"), base, "eagle3")
+        assert back.hcfg == drafter.hcfg and back.hcfg.switches == SWITCHES
+        for k, a in state_of(back).items():
+            np.testing.assert_array_equal(a, state_of(drafter)[k], err_msg=k)
+        return
     out = formats.exporter(out_format).export(drafter, base, tmp_path / "out")
     config = json.loads((out / "config.json").read_text())
     assert config["draft_vocab_size"] == N
@@ -330,3 +338,26 @@ def test_bad_drafters_are_one_line_each(base_dir, base, tmp_path, monkeypatch):
     assert "norm_before_residual" in message
     medusa = make_heads(HeadsConfig("medusa", 2), base)
     refused(lambda: formats.exporter("speculators").export(medusa, base, tmp_path / "out"), tmp_path / "out")
+
+
+def test_sampling_with_an_imported_drafter_has_the_base_distribution(tmp_path):
+    """The chi-square test of tests/test_spec_sampling.py (its tiny peaked base model and exact joint) with
+    a published drafter: SGLang's, over a draft vocabulary of 16 of the 24 tokens in no order, its draft
+    layer a config of its own. The samples keep the base model's distribution."""
+    from clover_jax.engine.sampling import SamplingConfig
+    from clover_jax.engine.speculative import SpeculativeGenerator
+    from clover_jax.model.config import ModelConfig
+    from clover_jax.model.llama import Llama
+    from clover_jax.trees.spec import resolve_tree
+    from test_spec_sampling import NEW, PREFIX, TREE, VOCAB, exact_joint, noisy, p_values
+
+    base = noisy(Llama(ModelConfig.tiny(vocab_size=VOCAB), rngs=nnx.Rngs(0)), 0.35, seed=1, replace=True)
+    folder = write(tmp_path / "sglang", sglang_config(VOCAB, aux=(0, 0, 0), n=16), draft_tensors(VOCAB, seed=3, n=16))
+    drafter = formats.load_drafter(folder, base, "eagle3")
+    sampling = SamplingConfig(temperature=1.0)
+    gen = SpeculativeGenerator(base, drafter, resolve_tree(TREE, "eagle3", drafter.depth), buckets=(8,))
+    out = gen.generate([PREFIX] * 8192, NEW, sampling, seed=0, eos_ids=())
+    hist = out.accept_hist.sum(0)
+    assert (hist[1:] > 0).all() and hist[1:].sum() > 0.15 * hist.sum()  # drafts are accepted at every depth
+    pv = p_values(np.array(out.tokens), exact_joint(base, sampling))
+    assert min(pv.values()) > 1e-3, pv

@@ -60,9 +60,10 @@ def _name(path: tuple) -> str:
 
 def _stored_params(heads: Drafter, dtype=None) -> dict[str, np.ndarray]:
     """The heads' parameters as the file holds them: by dotted path, q/k/v apart (`layers.to_stored`),
-    floating ones cast to `dtype` (None: as they are; token ids keep theirs)."""
+    floating ones cast to `dtype` (None: as they are; token ids keep theirs). Contiguous: a q part of one
+    kv head is a strided view, which safetensors would write as the buffer under it."""
     def cast(a: np.ndarray) -> np.ndarray:
-        return a if dtype is None or np.issubdtype(a.dtype, np.integer) else a.astype(dtype)
+        return np.ascontiguousarray(a if dtype is None or np.issubdtype(a.dtype, np.integer) else a.astype(dtype))
     return {_name(part): cast(array) for path, var in nnx.to_flat_state(nnx.state(heads, SAVED))
             for part, array in to_stored(path, np.asarray(jax.device_get(var[...])))}
 
