@@ -21,7 +21,6 @@ import cli
 from clover_jax.engine.decode import Generator
 from clover_jax.errors import CloverError
 from clover_jax.io import sources
-from clover_jax.model.config import SUPPORTED_MODEL_TYPES
 
 PARAGRAPH = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
              "after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889.")
@@ -101,7 +100,6 @@ def test_transformers_reads_the_converted_model_as_fluent_english(gemma3, transf
     assert perplexity < 12  # 6.4 measured; a model with its norms or q/k rows wrong is in the thousands
 
 
-@pytest.mark.skipif("gemma3_text" not in SUPPORTED_MODEL_TYPES, reason="our decoder does not run Gemma 3 yet")
 def test_our_logits_and_greedy_tokens_match_transformers(gemma3, transformers_model):
     from clover_jax.io.hf import load_pretrained
     from clover_jax.model.llama import causal_self_mask

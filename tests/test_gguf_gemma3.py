@@ -21,7 +21,6 @@ from transformers import AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConf
 from clover_jax.errors import CloverError
 from clover_jax.io.gguf import gguf_checkpoint
 from clover_jax.io.gguf_gemma3 import LAYER_TENSORS
-from clover_jax.model.config import SUPPORTED_MODEL_TYPES
 
 # Sentencepiece pieces as a Gemma file lists them: pad, eos, bos, unk first, then single characters.
 TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"] + ["\u2581"] + [chr(97 + i) for i in range(26)] + [
@@ -164,7 +163,6 @@ def test_a_quantized_file_matches_transformers_loading_it(tmp_path, cache):
     assert not np.allclose(_logits(ours), _logits(model), atol=1e-5)  # it was quantized
 
 
-@pytest.mark.skipif("gemma3_text" not in SUPPORTED_MODEL_TYPES, reason="our decoder does not run Gemma 3 yet")
 def test_our_decoder_reads_the_converted_file_as_transformers_does(tmp_path, cache):
     from clover_jax.io.hf import load_pretrained
     from clover_jax.model.llama import causal_self_mask
