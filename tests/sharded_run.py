@@ -48,7 +48,7 @@ def run(mesh_spec, everything: bool):
     vocab = DraftVocab.most_frequent(base.lm_head_weight(), None, 32)
     vocab_gen = SpeculativeGenerator(base, heads, resolve_tree("chain:3", "clover2", 3), mesh=mesh, draft_vocab=vocab)
     eagle = make_heads(HeadsConfig("eagle3", 3), base, seed=1)
-    eagle_out = SpeculativeGenerator(base, eagle, resolve_tree("eagle2:6", "eagle3", 3), mesh=mesh).generate(
+    eagle_out = SpeculativeGenerator(base, eagle, resolve_tree("eagle2:6,3,3", "eagle3", 3), mesh=mesh).generate(
         PROMPTS, 8, eos_ids=())
     shown = []  # streaming: the tokens the host was handed after each step
     spec_gen.generate(PROMPTS, 8, eos_ids=(), on_tokens=lambda t, n: shown.append([t[i, :k].tolist() for i, k in enumerate(n)]))

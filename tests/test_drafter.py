@@ -24,6 +24,8 @@ from clover_jax.drafters.losses import cross_entropy
 from clover_jax.model.layers import DecoderLayer, Linear
 from clover_jax.model.llama import Llama
 from clover_jax.engine.speculative import SpeculativeGenerator
+from clover_jax.errors import CloverError
+from clover_jax.trees.dynamic import DynamicTree
 from clover_jax.trees.static import Tree
 from clover_jax.trees.spec import resolve_tree
 
@@ -89,7 +91,7 @@ class TinyEagle(nnx.Module, Drafter):
 
 
 TINY_EAGLE = registry.register(registry.Method("tiny-eagle", TinyEagle, depth=3, tree="eagle_mc_sim_7b_63",
-                                             loss=cross_entropy))
+                                             loss=cross_entropy, chained=True))
 
 
 @pytest.fixture(scope="module")
@@ -121,11 +123,21 @@ def test_a_drafter_registers_as_itself(base):
         HeadsConfig("eagle-9", 3)
 
 
+def test_only_draft_models_draft_past_their_depth(base):
+    """A draft model chains its layer, so it drafts a tree deeper than its steps; heads stop at their count."""
+    deep = DynamicTree.eagle2(10, 3, 4)
+    assert SpeculativeGenerator(base, perturbed("eagle3", base, 3), deep).tree is deep
+    with pytest.raises(CloverError, match="tree depth 5 exceeds the 3 draft heads"):
+        SpeculativeGenerator(base, perturbed("clover2", base, 3), deep)
+
+
 # Each draft model on every tree, and every tree at both batch sizes (over the three models): the pairs,
-# not the whole product, which took twice as long and held no case the pairs leave out.
+# not the whole product, which took twice as long and held no case the pairs leave out; EAGLE-1 and
+# EAGLE-3 on an eagle2 tree 5 deep (past their 3 chained steps) at both.
 DRAFT_MODEL_CASES = [(method, spec, 4 if (i + j) % 2 == 0 else 1)
                      for i, method in enumerate(["tiny-eagle", "eagle", "eagle3"])
-                     for j, spec in enumerate(["widths:3,2,2", "default", "dynamic:8", "eagle2:10"])]
+                     for j, spec in enumerate(["widths:3,2,2", "default", "dynamic:8", "eagle2:10,3,4"])]
+DRAFT_MODEL_CASES += [("eagle", "eagle2:10,3,4", 1), ("eagle3", "eagle2:10,3,4", 4)]
 
 
 @pytest.mark.parametrize("method, spec, batch", DRAFT_MODEL_CASES)

@@ -145,7 +145,7 @@ CASES = [("medusa", SamplingConfig(temperature=1.0), TREE),
          ("clover2", SamplingConfig(temperature=1.0), TREE), ("clover2", SamplingConfig(temperature=0.7), TREE),
          ("clover", SamplingConfig(temperature=1.0, top_p=0.9), TREE),
          ("eagle", SamplingConfig(temperature=1.0), TREE), ("eagle3", SamplingConfig(temperature=0.7), TREE),
-         ("eagle", SamplingConfig(temperature=1.0), "dynamic:7"), ("eagle3", SamplingConfig(temperature=1.0), "eagle2:7"),
+         ("eagle", SamplingConfig(temperature=1.0), "dynamic:7"), ("eagle3", SamplingConfig(temperature=1.0), "eagle2:7,4,2"),
          ("table", SamplingConfig(temperature=1.0), "eagle2:7"),
          ("table", SamplingConfig(temperature=0.7, top_p=0.9), "dynamic:7"),
          # drafts drawn flatter or sharper than the base model samples (--draft-temperature)
