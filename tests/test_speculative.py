@@ -33,6 +33,7 @@ from clover_jax.trees.dynamic import DynamicTree
 from clover_jax.trees.static import Tree, chain
 from clover_jax.trees.spec import resolve_tree
 from conftest import TableHeads, assert_one_line, draft_with_context
+from eagle2_reference import eagle2_tree
 
 PROMPTS = [[1, 7, 8, 9], [1, 3, 4, 22, 23, 24, 25, 60], [1, 2], [9] * 11]
 EOS_ROW = 2  # the prompt whose greedy continuation is cut by EOS mid-way
@@ -43,7 +44,7 @@ FREE_EXTRA = 8  # continuation past MAX_NEW: covers a last step's overshoot (at 
 PREFILL_LEN = 48  # >= longest prompt + MAX_NEW + FREE_EXTRA
 # (tree, batch) per method: a chain, a wide tree, the method's paper tree cut to its head count
 # (None), and the two dynamic trees. Batch-1 cases keep the compile count (and the file's run time) down.
-CASES = [("chain:3", 4), ("widths:4,2", 1), (None, 4), ("dynamic:8", 4), ("eagle2:10", 1)]
+CASES = [("chain:3", 4), ("widths:4,2", 1), (None, 4), ("dynamic:8", 4), ("eagle2:10", 1), ("eagle2:10", 4)]
 SEED = 1
 
 
@@ -400,7 +401,12 @@ def test_pacing_drafts_only_while_drafts_pay(ref, fresh, oracle):
 
 
 def reference_dynamic(probs: np.ndarray, root: int, tree: DynamicTree) -> set[tuple[int, ...]]:
-    """The token paths `DynamicTree`'s docstring selects, written out in plain Python (float64)."""
+    """The token paths `DynamicTree`'s docstring selects, written out in plain Python (float64); eagle2's
+    are its authors' (`eagle2_reference`), the log-probabilities at depth d those of table d."""
+    if tree.kind == "eagle2":
+        ref = eagle2_tree(lambda path: np.log(probs[len(path) - 1, path[-1]]), root, tree.num_nodes, tree.beam,
+                          tree.max_depth - 1)
+        return {path[1:] for path in ref.paths[1:]}
     frontier, candidates = [((root,), 0.0)], []
     for d in range(tree.max_depth):
         level = []
@@ -409,14 +415,12 @@ def reference_dynamic(probs: np.ndarray, root: int, tree: DynamicTree) -> set[tu
             order = np.argsort(-q, kind="stable")[: tree.beam]
             mass = 0.0
             for t in order:
-                keep = tree.kind == "eagle2" or (mass < tree.top_p and q[t] >= tree.min_ratio * q[order[0]])
+                keep = mass < tree.top_p and q[t] >= tree.min_ratio * q[order[0]]
                 mass += q[t]
                 if keep:
                     level.append((path + (int(t),), logp + np.log(q[t])))
         frontier = sorted(level, key=lambda c: -c[1])[: tree.beam]
         candidates += frontier
-    if tree.kind == "eagle2":
-        candidates = sorted(candidates, key=lambda c: -c[1])
     return {path[1:] for path, _ in candidates[: tree.num_nodes - 1]}
 
 
