@@ -42,6 +42,8 @@ from clover_jax.api import DTYPES
 from clover_jax.engine.sampling import SamplingConfig
 from clover_jax.plan.auto import PLAIN
 from clover_jax.plan.factory import METHODS, LoadedDrafter, drafting_plan, load_drafter, make_generator
+from clover_jax.trees.dynamic import DYNAMIC_KINDS
+from clover_jax.trees.spec import accelerator_default, resolve_tree
 import cli
 from infer import loop_flags, report
 from infer.bandwidth import SAMPLE_PROMPTS, BandwidthProbe, plain_efficiency, plain_phases
@@ -57,7 +59,8 @@ from clover_jax.io import tokenization
 EPILOG = """\
 Rows: one per method, tree, draft vocabulary and batch size. tree (nodes) = the tree the row ran (auto, the
 default, resolved as infer.generate resolves it: chain:K on a CPU, the paper tree `default` on a GPU or
-TPU) and its node count. vocab = tokens the heads drafted from (all:
+TPU, for EAGLE-1 and EAGLE-3 their authors' dynamic trees eagle2:60,10,5 and eagle2:60,10,7: N nodes,
+top-k K, depth D) and its node count. vocab = tokens the heads drafted from (all:
 the whole vocabulary; see --draft-vocab). tau = tokens per forward pass of the base model (bonus token
 included; plain = 1.00); accept@d = share of steps that accepted at least d drafted tokens; speedup =
 tokens/s over plain decoding's at the same batch size in this run; compile s = seconds spent compiling,
@@ -87,11 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft tree for every speculative method, or METHOD=SPEC for one; repeat it to measure "
                         "several trees in the same run. SPEC: auto (on a CPU a chain as deep as the heads' "
                         "held-out chain tau says is fastest, or plain decoding, tree 'plain', where no chain is "
-                        "modelled to pay; the default tree elsewhere; as infer.generate picks), default (the "
-                        "tree fitted to the heads, their tree.json, shown as 'fitted'; else the method's paper "
-                        "tree), fitted, paper, chain:K, widths:4,2,2, full:WxD, a named tree, a JSON file of "
-                        "paths, or a dynamic tree dynamic:N / eagle2:N (default: auto; each row names the tree it "
-                        "used)")
+                        "modelled to pay; the default tree elsewhere; as infer.generate picks), default (on "
+                        "a GPU or TPU EAGLE-1's and EAGLE-3's own dynamic trees, eagle2:60,10,5 and "
+                        "eagle2:60,10,7; else the tree fitted to the heads, their tree.json, shown as 'fitted'; "
+                        "else the method's paper tree), fitted, paper, chain:K, widths:4,2,2, full:WxD, a named "
+                        "tree, a JSON file of paths, or a dynamic tree dynamic:N[,W] / eagle2[:N,K,D] (default: "
+                        "auto; each row names the tree it used, a dynamic one with every setting)")
     p.add_argument("--fit-tree", type=int, metavar="N",
                    help="fit an N-node tree to where this run's drafts were accepted, greedy or sampled: the nodes "
                         "of the run's static tree that accepted most (a subtree accepts what they did), written to "
@@ -196,16 +200,20 @@ def _configs(specs: list[str], methods: list[str]) -> list[tuple[str, str | None
 def planned(model, drafter: LoadedDrafter | None, spec: str | None, value: str | None, draft_vocab, sampling: bool,
             mesh=None) -> tuple[str | None, float | None]:
     """(the tree spec a row runs, PLAIN where `auto` decodes plain, "fitted" for the heads' fitted tree,
-    None for the paper tree; its step cost) for `drafter` (None: plain decoding), tree `spec` and
-    `--step-cost` `value`, as infer.generate plans them (`factory.drafting_plan`: on a CPU `auto` is a
-    chain, its depth picked by the heads' held-out chain tau and this machine's timed chain step cost),
-    so that each row names the tree it ran."""
+    None for the paper tree, a dynamic tree with every setting written out (`eagle2` as eagle2:60,10,7,
+    also where `default` stands for it on an accelerator); its step cost) for `drafter` (None: plain
+    decoding), tree `spec` and `--step-cost` `value`, as infer.generate plans them
+    (`factory.drafting_plan`: on a CPU `auto` is a chain, its depth picked by the heads' held-out chain
+    tau and this machine's timed chain step cost), so that each row names the tree it ran."""
     if drafter is None:
         return spec, None
     tree, cost = drafting_plan(model, drafter.method, drafter=drafter, tree=spec, draft_vocab=draft_vocab,
                                greedy=not sampling, step_cost=value, mesh=mesh)
-    if tree in (None, "default"):  # the heads' fitted tree where they have one, and the rows say so
-        tree = "fitted" if drafter.heads_dir is not None and (drafter.heads_dir / TREE).is_file() else None
+    if tree in (None, "default"):  # the method's own tree here, or the heads' fitted one, and the rows say so
+        tree = accelerator_default(drafter.method) or (
+            "fitted" if drafter.heads_dir is not None and (drafter.heads_dir / TREE).is_file() else None)
+    if isinstance(tree, str) and tree.partition(":")[0] in DYNAMIC_KINDS:  # e.g. eagle2 as eagle2:60,10,7
+        tree = str(resolve_tree(tree, drafter.method, drafter.num_heads))
     return tree, cost
 
 
