@@ -40,7 +40,7 @@ from clover_jax.errors import CloverError
 from clover_jax.model.llama import Llama, causal_self_mask
 from clover_jax.model.sharding import onto_mesh, put_batch, shard_module
 import cli
-from train import losses
+from train import export, losses
 from train.data import HeadDataset
 from train.runs import (MetricsLog, check_checkpoint_space, no_space_in, pin_run, restore_latest, stop_due,
                         stop_on_interrupt)
@@ -197,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export-dtype", choices=tuple(DTYPES), default="float32",
                    help="dtype the exported heads are stored in (bfloat16: half the bytes, as shipped heads are); "
                         "loading casts them to the base model's")
+    p.add_argument("--export-format", action="append", metavar="NAME",
+                   help="also write the heads in another project's drafter format into OUT-NAME beside --out, after "
+                        "our own export (repeat the flag or give a comma list; as python -m train.export --format "
+                        f"writes them): {export.FORMATS_HELP}; stored in --export-dtype")
     p.add_argument("--eval-every", type=int, default=100,
                    help="held-out evaluation period (steps): loss, each head's top-1/top-5 accuracy, and the "
                         "chain tau, the tokens per step a chain through every head would reach, from decoding's "
@@ -259,6 +263,9 @@ def run(args) -> int:
             raise CloverError(f"--{name.replace('_', '-')} must be >= 1")
     # Checked before the base model loads; written only at the end, so a bad path must not wait for the training.
     cli.check_output_dir(args.out, "--out")
+    exports = export.parse_formats(args.export_format, args.method)
+    for name in exports:
+        export.check_out(export.export_dir(args.out, name), flag="--export-format")
     work = Path(args.work_dir or Path(args.out).parent / f"run-{args.method}").resolve()
     cli.check_output_dir(work, "--work-dir")
     dtype = DTYPES[args.dtype]
@@ -439,6 +446,7 @@ def run(args) -> int:
                token_mass=mass)
     summary = f": held-out top1 {ev['val_top1']}, chain tau {ev['val_chain_tau']:.2f}" if ev else ""
     print(f"saved {args.method} heads to {args.out}{summary}")
+    export.write_exports(drafter, base, args.out, exports, args.base, DTYPES[args.export_dtype])
     return 0
 
 

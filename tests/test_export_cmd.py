@@ -1,0 +1,171 @@
+"""`python -m train.export` and `train.train --export-format`: trained heads written in published drafter
+formats, read back by the format's own loader (`clover_jax.io.formats`) to the same drafts; bad
+requests one line, exit 2, refused before anything is trained or written."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
+
+from clover_jax.io import formats
+from clover_jax.drafters.heads import HeadsConfig, make_heads
+from clover_jax.io.heads_dir import load_heads, save_heads
+from clover_jax.io.hf import load_pretrained
+from clover_jax.model.llama import causal_self_mask
+from conftest import save_tiny_llama, tiny_tokenizer
+from test_train import RECORDS, _argv
+from train import export, make_data, train
+from train import tokenizer as tokenizer_lib
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny-llama")
+    tok = tiny_tokenizer()
+    tokenizer_lib.save_tokenizer(tok, out)
+    return save_tiny_llama(out, tok.get_vocab_size(), seed=0)
+
+
+@pytest.fixture(scope="module")
+def data(model_dir, tmp_path_factory):
+    prompts = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    out = tmp_path_factory.mktemp("data")
+    assert make_data.main([f"--base={model_dir}", f"--prompts={prompts}", f"--out={out}", "--mode=fixed",
+                           "--batch-size=4"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(model_dir, data, tmp_path_factory):
+    """A few steps of Medusa heads, exported by train.train also as Medusa-1 (comma list, repeated)."""
+    root = tmp_path_factory.mktemp("train")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = train.main(_argv(model_dir, data, root / "heads", root / "work", "medusa", "--steps", 3,
+                                "--export-format", "medusa", "--export-format", "medusa,medusa"))
+    assert code == 0, err.getvalue()
+    return root
+
+
+def _base(model_dir):
+    return load_pretrained(model_dir)[1]
+
+
+def _logits(drafter, base):
+    tokens = jnp.asarray([[5, 9, 40, 77, 120, 33]], jnp.int32)
+    positions = jnp.arange(6, dtype=jnp.int32)[None]
+    normed = base(tokens, positions, causal_self_mask(1, 6)).hidden_normed
+    return np.stack([np.asarray(drafter.node_logits(base, k, normed, None)) for k in range(drafter.depth)])
+
+
+def _run(tool, capsys, *argv):
+    capsys.readouterr()
+    code = tool.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_train_writes_the_medusa1_export_beside_its_own(trained, model_dir):
+    base = _base(model_dir)
+    ours = load_heads(trained / "heads", base, "medusa")
+    beside = trained / "heads-medusa"
+    assert sorted(p.name for p in beside.iterdir()) == ["config.json", "medusa_lm_head.safetensors"]
+    config = json.loads((beside / "config.json").read_text())
+    assert config["medusa_num_heads"] == ours.depth and config["base_model_name_or_path"] == str(model_dir)
+    medusa = formats.module("medusa1")
+    assert formats.recognise(beside) is medusa
+    np.testing.assert_allclose(_logits(medusa.load(beside, base), base), _logits(ours, base), atol=1e-6, rtol=1e-6)
+
+
+def test_export_command_writes_what_train_wrote(trained, model_dir, tmp_path, capsys):
+    code, out, err = _run(export, capsys, "--heads", trained / "heads", "--format", "medusa", "--out", tmp_path / "m")
+    assert code == 0, err
+    assert "as medusa to" in out
+    mine = load_file(str(tmp_path / "m" / "medusa_lm_head.safetensors"))
+    theirs = load_file(str(trained / "heads-medusa" / "medusa_lm_head.safetensors"))
+    assert mine.keys() == theirs.keys() and all(np.array_equal(mine[k], theirs[k]) for k in mine)
+    code, _, err = _run(export, capsys, "--heads", trained / "heads", "--format", "medusa", "--out", tmp_path / "b",
+                        "--base", model_dir, "--dtype", "bfloat16")
+    assert code == 0, err
+    stored = load_file(str(tmp_path / "b" / "medusa_lm_head.safetensors"))
+    assert {str(a.dtype) for a in stored.values()} == {"bfloat16"}
+
+
+def test_every_flag_of_the_export_command_is_explained():
+    actions = [a for a in export.build_parser()._actions if a.option_strings != ["-h", "--help"]]
+    assert {s for a in actions for s in a.option_strings} == {"--heads", "--format", "--out", "--base", "--dtype"}
+    assert all(a.help and len(a.help) > 20 for a in actions)
+
+
+@pytest.mark.parametrize("case", ["unknown format", "format of another method", "out is the heads",
+                                  "out holds heads", "no heads"])
+def test_a_bad_export_is_one_line_and_writes_nothing(case, trained, tmp_path, capsys):
+    heads, out = trained / "heads", tmp_path / "out"
+    fmt = {"unknown format": "gguf", "format of another method": "medusa"}.get(case, "medusa")
+    if case == "format of another method":
+        heads = tmp_path / "clover"
+        heads.mkdir()
+        meta = json.loads((trained / "heads" / "heads.json").read_text())
+        meta["heads"]["method"] = "clover"
+        (heads / "heads.json").write_text(json.dumps(meta))
+    if case == "out is the heads":
+        out = heads
+    if case == "out holds heads":
+        out.mkdir()
+        (out / "heads.json").write_text("{}")
+    if case == "no heads":
+        heads = tmp_path / "nothing"
+        heads.mkdir()
+    before = sorted(p.name for p in out.iterdir()) if out.exists() else None
+    code, _, err = _run(export, capsys, "--heads", heads, "--format", fmt, "--out", out)
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert (sorted(p.name for p in out.iterdir()) if out.exists() else None) == before
+    said = {"unknown format": "unknown drafter format 'gguf'", "format of another method": "not Clover's",
+            "out is the heads": "holds heads.json", "out holds heads": "holds heads.json", "no heads": "no heads.json"}
+    assert said[case] in err, err
+
+
+@pytest.mark.parametrize("flag, says", [("gguf", "unknown drafter format"), ("medusa", "not Clover's")])
+def test_train_refuses_an_export_format_before_training(flag, says, model_dir, data, tmp_path, capsys):
+    code, _, err = _run(train, capsys, *_argv(model_dir, data, tmp_path / "heads", tmp_path / "work", "clover",
+                                              "--export-format", flag))
+    assert code == 2 and says in err and err.count("\n") == 1, err
+    assert not (tmp_path / "heads").exists() and not (tmp_path / "work").exists()
+
+
+@pytest.mark.parametrize("name, module", [("sglang", "sglang_eagle3"), ("speculators", "speculators_eagle3")])
+def test_eagle3_heads_export_as_sglang_and_speculators_and_load_back_the_same(name, module, model_dir, tmp_path, capsys):
+    """The export command on EAGLE-3 heads: each export is recognised as its format and reads back to our
+    drafter's config, draft vocabulary and parameters."""
+    base = _base(model_dir)
+    ours = make_heads(HeadsConfig("eagle3", 3, draft_vocab=40, aux_layer_ids=(0, 0, 0)), base, seed=2)
+    ours.set_vocab(base, jnp.arange(3, 43, dtype=jnp.int32))
+    save_heads(ours, base, tmp_path / "heads", extra={"training": {"base": str(model_dir)}})
+    code, _, err = _run(export, capsys, "--heads", tmp_path / "heads", "--format", name, "--out", tmp_path / name)
+    assert code == 0, err
+    assert formats.recognise(tmp_path / name) is formats.module(module)
+    back = formats.load_drafter(tmp_path / name, base, "eagle3")
+    assert back.hcfg.aux_layer_ids == ours.hcfg.aux_layer_ids
+    np.testing.assert_array_equal(np.asarray(back.ids[...]), np.asarray(ours.ids[...]))
+    want, got = (dict(nnx.to_flat_state(nnx.state(d, nnx.Param))) for d in (ours, back))
+    assert got.keys() == want.keys()
+    for key in want:
+        np.testing.assert_allclose(np.asarray(got[key][...]), np.asarray(want[key][...]), atol=1e-6, err_msg=str(key))
+
+
+def test_a_format_that_cannot_hold_the_trained_heads_keeps_the_training(model_dir, data, tmp_path, capsys):
+    """EAGLE-3 on a two-layer base fuses its last layer, which the published formats cannot name: the
+    export is refused in one line that says where the trained heads are."""
+    code, _, err = _run(train, capsys, *_argv(model_dir, data, tmp_path / "heads", tmp_path / "work", "eagle3",
+                                              "--steps", 1, "--export-format", "sglang"))
+    [line] = [line for line in err.splitlines() if line.startswith("error: ")]  # after the progress bars
+    assert code == 2 and f"the trained heads are saved in {tmp_path / 'heads'}" in line, err
+    assert (tmp_path / "heads" / "heads.json").is_file() and not (tmp_path / "heads-sglang").exists()
