@@ -14,11 +14,12 @@ import pytest
 from flax import nnx
 
 from clover_jax.drafters.base import Committed, Frontier
-from clover_jax.drafters.heads import Heads, HeadsConfig
+from clover_jax.drafters.heads import Heads, HeadsConfig, make_heads
 from clover_jax.engine.decode import prefill
 from clover_jax.engine.drafting import draft_tree
 from clover_jax.model.config import ModelConfig
 from clover_jax.model.llama import Llama
+from clover_jax.plan.factory import LoadedDrafter
 from clover_jax.trees.dynamic import DynamicTree
 from clover_jax.trees.spec import resolve_tree
 from conftest import draft_with_context
@@ -159,3 +160,20 @@ def test_eagle2_specs_take_the_authors_parameters():
     assert resolve_tree("eagle2", "medusa", 1) == DynamicTree.eagle2(11, 10, 0)  # the root's 10 children
     assert resolve_tree("eagle2:9,3,4", "eagle3", 3).max_depth == 5
     assert resolve_tree("chain:6", "eagle3", 3).max_depth == 6  # static trees too
+
+
+def test_benchmark_rows_name_the_dynamic_tree_they_ran(monkeypatch):
+    """A benchmark row's tree column spells a dynamic tree's every setting, and on an accelerator an
+    EAGLE method's `default` row names the authors' tree it drafts, not 'default'."""
+    from infer import benchmark
+
+    base = Llama(ModelConfig.tiny(), rngs=nnx.Rngs(1))
+    eagle3 = LoadedDrafter("eagle3", make_heads(HeadsConfig("eagle3", 3), base), None)
+    clover2 = LoadedDrafter("clover2", make_heads(HeadsConfig("clover2", 3), base), None)
+    plan = lambda drafter, spec: benchmark.planned(base, drafter, spec, "auto", "auto", False)[0]
+    assert plan(eagle3, "eagle2") == "eagle2:60,10,7" and plan(clover2, "eagle2:26") == "eagle2:26,10,2"
+    assert plan(clover2, "dynamic:26") == "dynamic:26,9"  # 3 heads: a beam of 9 fills 25 slots
+    assert plan(eagle3, None) is None  # on this CPU: the paper tree
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert plan(eagle3, None) == plan(eagle3, "auto") == "eagle2:60,10,7"
+    assert plan(clover2, None) is None and plan(clover2, "auto") is None
