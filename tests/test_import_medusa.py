@@ -34,6 +34,7 @@ from clover_jax.io.formats import medusa1
 from clover_jax.io.formats.weights import converted_dir
 from clover_jax.io.heads_dir import load_heads, save_heads
 from clover_jax.model.llama import causal_self_mask
+from clover_jax.plan import factory
 from clover_jax.trees.spec import resolve_tree
 from conftest import PROMPTS, assert_one_line
 from infer import convert_pickle
@@ -289,6 +290,14 @@ def test_heads_by_hub_id(base, tmp_path, monkeypatch, capsys):
     assert sorted(os.listdir(snap)) == ["config.json", "medusa_lm_head.safetensors"]
     assert medusa1.load(snap, base).depth == K
     assert sources.drafter_path(st) == st  # a local folder is never looked up
+    # What --heads org/name and model.drafter(method, "org/name") load through.
+    drafter = factory.load_drafter(base, "medusa", heads="org/medusa-st")
+    assert drafter.heads_dir == snap and drafter.num_heads == K and drafter.chain_tau is None
+    assert drafter.vocab(base) is None and drafter.fitted_tree() is None
+    with pytest.raises(CloverError) as e:
+        factory.load_drafter(base, "clover", heads="org/medusa-st")
+    assert_one_line(e)
+    assert "runs as --method medusa" in str(e.value)
 
     # A repository holding only a pickle: the snapshot takes no pickle, and the line says how to convert it.
     with pytest.raises(CloverError) as e:

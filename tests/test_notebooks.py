@@ -65,8 +65,31 @@ def _table_rows(markdown: str) -> list[str]:
     return [line for line in markdown.splitlines() if re.match(r"\| (TPU|8 x)", line)]
 
 
+def authors_eagle3(model, out):
+    """A random EAGLE-3 drafter for `model` laid out as the EAGLE authors publish theirs: config.json with
+    architectures LlamaForCausalLM and draft_vocab_size, the weights a pickle (pytorch_model.bin). Its
+    feature layers are the first layer's (a two-layer model has no authors' middle and high ones)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from clover_jax.drafters.heads import HeadsConfig, make_heads
+    from clover_jax.io import formats
+    from clover_jax.io.hf import load_pretrained
+
+    base = load_pretrained(model)[1]
+    drafter = make_heads(HeadsConfig("eagle3", 3, draft_vocab=64, aux_layer_ids=(0, 0, 0)), base, seed=1)
+    formats.exporter("sglang").export(drafter, base, out)
+    torch.save(load_file(str(out / "model.safetensors")), out / "pytorch_model.bin")
+    (out / "model.safetensors").unlink()
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}))
+    return out
+
+
 def test_llama3_notebook_on_a_tiny_local_checkpoint(monkeypatch, tmp_path):
     model = tiny_llama_checkpoint(tmp_path / "tiny-chat-llama", max_position_embeddings=128)
+    eagle3 = authors_eagle3(model, tmp_path / "eagle3")
+    monkeypatch.setenv("CLOVER_JAX_CACHE", str(tmp_path / "cache"))  # the converted pickle lands there
     turn = lambda who, text: {"from": who, "value": text}
     prompts = ["def add(a, b):", "class Point:", "import os", "for i in range(10):", "print(i)",
                "def add(x, y):", "class Line:", "import sys", "return a + b", "os.getcwd()"]
@@ -82,7 +105,8 @@ def test_llama3_notebook_on_a_tiny_local_checkpoint(monkeypatch, tmp_path):
         CLOVER_NB_MODEL=model, CLOVER_NB_SHAREGPT=sharegpt, CLOVER_NB_WORK=work, CLOVER_NB_SAMPLE=8, CLOVER_NB_EVAL=2,
         CLOVER_NB_PROMPT_TOKENS=48, CLOVER_NB_NEW_TOKENS=16, CLOVER_NB_STEPS=4, CLOVER_NB_BATCH=4,
         CLOVER_NB_SEQ_LEN=64, CLOVER_NB_DTYPE="float32",
-        CLOVER_NB_QUESTION="print(i)")  # as short as the held-out prompts: one length bucket, compiled once
+        CLOVER_NB_QUESTION="print(i)",  # as short as the held-out prompts: one length bucket, compiled once
+        CLOVER_NB_EAGLE3=eagle3, CLOVER_NB_EAGLE3_BASE=model, CLOVER_NB_EAGLE3_TREE="eagle2:12,3,3")
 
     # The paper figures printed from the parameter shapes are docs/generate.md's and the notebook's own table.
     generate_doc = (REPO / "docs" / "generate.md").read_text()
@@ -98,16 +122,19 @@ def test_llama3_notebook_on_a_tiny_local_checkpoint(monkeypatch, tmp_path):
     assert (work / "heads" / "heads.json").is_file() and (work / "heads" / "token_counts.safetensors").is_file()
     assert re.search(r"drafting from (\d+|all) tokens", printed)
     assert re.search(r"parameters loaded in \d+s over mesh model=2: .* on each device, as worked out on paper", printed)
-    assert "same text as plain decoding: True" in printed
+    assert printed.count("same text as plain decoding: True") == 2  # Clover-2, then the EAGLE-3 drafter
     assert "2/2 answers identical to plain decoding" in printed
+    assert "pytorch_model.bin: converted into" in printed and f"EAGLE-3 {eagle3} (tree eagle2:12,3,3)" in printed
     assert images(nb) == 2  # training curves; acceptance per depth
 
 
 def test_llama3_notebook_without_hub_model_or_accelerator_skips_each_cell_in_one_line(monkeypatch, tmp_path):
     nb, printed = execute("03_llama3_8b_tpu.ipynb", monkeypatch, CLOVER_NB_WORK=tmp_path)
     skips = [line for line in printed.splitlines() if line.startswith("skipped:")]
-    # download, sample, data, training, load and plain chat, Clover-2 chat, speedup: one line each, same reason
-    assert len(skips) == 7 and len(set(skips)) == 1, skips
+    # download, sample, data, training, load and plain chat, Clover-2 chat, speedup: one line each, same
+    # reason; then the published EAGLE-3 drafter and its base model, one line of their own
+    assert len(skips) == 8 and len(set(skips[:7])) == 1, skips
     assert "Llama-3-8B-Instruct is to come from the Hugging Face Hub and this runtime has no TPU or GPU" in skips[0]
+    assert "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B and meta-llama/Llama-3.1-8B-Instruct are to come from" in skips[7]
     assert "| TPU v5e-8 | `model=8` | 2.01 + 0.41 GB |" in printed  # the paper arithmetic needs neither
     assert not any(tmp_path.iterdir())
