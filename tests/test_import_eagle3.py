@@ -361,3 +361,43 @@ def test_sampling_with_an_imported_drafter_has_the_base_distribution(tmp_path):
     assert (hist[1:] > 0).all() and hist[1:].sum() > 0.15 * hist.sum()  # drafts are accepted at every depth
     pv = p_values(np.array(out.tokens), exact_joint(base, sampling))
     assert min(pv.values()) > 1e-3, pv
+
+
+def test_an_imported_drafter_drafts_the_authors_eagle2_tree(base_dir, base, tmp_path):
+    """eagle2:20,3,4 (up to 5 deep) with SGLang's drafter: the tree the engine drafts
+    is the one `eagle2_reference` (the authors' topK_genrate rule) selects when each node's
+    log-probabilities come from the PyTorch reference run along the node's path."""
+    from clover_jax.engine.drafting import draft_tree
+    from clover_jax.trees.spec import resolve_tree
+    from eagle2_reference import eagle2_tree
+    from test_eagle2_tree import drafted_paths, reference_paths
+
+    folder, tensors, aux = make_case("sglang", tmp_path / "sglang", base_dir)
+    drafter = formats.load_drafter(folder, base)
+    ref = reference("sglang", tensors, base_dir)
+    hf, n = base_dir[0], 7
+    v = hf.config.vocab_size
+    tokens = np.random.default_rng(4).integers(3, v, (1, n + 1))
+    tree = resolve_tree("eagle2:20,3,4", "eagle3", drafter.depth)
+
+    @nnx.jit
+    def drafted(base, drafter, tokens):
+        out = base(tokens[:, :n], jnp.arange(n)[None], causal_self_mask(1, n), feature_layers=drafter.feature_layers)
+        lens = jnp.full((1,), n, jnp.int32)
+        new = Committed(out.hidden, out.hidden_normed, tokens[:, 1:], out.features)
+        state = drafter.commit(base, drafter.init(base, 1, 32), new, lens, jnp.ones((1,), bool))
+        return draft_tree(base, drafter, state, tree, tokens[:, n], lens)[0]
+
+    got = drafted(base, drafter, jnp.asarray(tokens, jnp.int32))
+    with torch.no_grad():
+        states = hf(torch.tensor(tokens[:, :n]), output_hidden_states=True).hidden_states
+    features = torch.cat([states[i + 1] for i in aux], -1)
+
+    def log_probs(path):
+        with torch.no_grad():
+            draft = ref.chain(features, torch.tensor(tokens[:, 1:]), list(path))[-1]
+        full = torch.full((v,), -torch.inf).index_put_((ref.targets,), draft)
+        return torch.log_softmax(full, -1).numpy()
+
+    want = eagle2_tree(log_probs, int(tokens[0, n]), 20, 3, 4)
+    assert drafted_paths(got.tokens, got.tree, 0) == reference_paths(want)

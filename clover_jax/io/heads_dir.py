@@ -143,13 +143,19 @@ def read_heads_config(heads_dir: str | Path) -> dict:
     return meta
 
 
+def is_ours(heads_dir: str | Path) -> bool:
+    """The directory holds our heads (heads.json, or at least heads.safetensors: ours with a damaged
+    config, which reading says), not a drafter another project published (`formats`)."""
+    return any((Path(heads_dir) / name).is_file() for name in (CONFIG, WEIGHTS))
+
+
 def held_out_chain_tau(heads_dir: str | Path | None) -> list[float] | None:
     """The held-out tokens a step that chains through the first 1, 2, ... heads reached
     (`val_chain_tau_by_depth` in heads.json, which `--tree auto` on a CPU picks its chain depth by):
     train.train's own figure, else one train.evaluate recorded for heads exported before train.train
     kept it; None for heads with neither, no directory (random heads), or a published drafter's (no
     heads.json: `formats`)."""
-    if heads_dir is None or (Path(heads_dir).is_dir() and not (Path(heads_dir) / CONFIG).is_file()):
+    if heads_dir is None or not is_ours(heads_dir):
         return None
     meta = read_heads_config(heads_dir)
     found = [m["val_chain_tau_by_depth"] for m in (meta.get("held_out"), meta.get("evaluated"))
@@ -235,7 +241,7 @@ def load_heads(heads_dir: str | Path, base: Llama, method: str | None = None) ->
     without heads.json (`formats.load_drafter`: EAGLE-3 of SpecForge, speculators or the EAGLE authors,
     Medusa-1, EAGLE-1). Refuses heads of another method or trained for another base model."""
     check_whole(heads_dir, "heads")
-    if Path(heads_dir).is_dir() and not (Path(heads_dir) / CONFIG).is_file():
+    if not is_ours(heads_dir) and Path(heads_dir).is_dir():
         return formats.load_drafter(heads_dir, base, method)
     meta = read_heads_config(heads_dir)
     fields = dict(meta["heads"])
