@@ -401,3 +401,20 @@ def test_an_imported_drafter_drafts_the_authors_eagle2_tree(base_dir, base, tmp_
 
     want = eagle2_tree(log_probs, int(tokens[0, n]), 20, 3, 4)
     assert drafted_paths(got.tokens, got.tree, 0) == reference_paths(want)
+
+
+def test_bfloat16_checkpoints_read_as_their_values(base_dir, base, tmp_path):
+    """A drafter published in bfloat16 (most are) reads through `weights.read_tensors` as its values: the
+    same drafter as its float32 copy of those values."""
+    import ml_dtypes
+
+    folder, tensors, _ = make_case("sglang", tmp_path / "f32", base_dir)
+    halved = {k: t.astype(ml_dtypes.bfloat16) if t.dtype == np.float32 else t for k, t in tensors.items()}
+    config = json.loads((folder / "config.json").read_text())
+    bf16 = write(tmp_path / "bf16", {**config, "torch_dtype": "bfloat16"}, halved)
+    f32 = write(tmp_path / "rounded", config, {k: t.astype(np.float32) if t.dtype == ml_dtypes.bfloat16 else t
+                                              for k, t in halved.items()})
+    assert weights.read_tensors(bf16, ("model.safetensors",))["fc.weight"].dtype == ml_dtypes.bfloat16
+    want = state_of(formats.load_drafter(f32, base))
+    for name, value in state_of(formats.load_drafter(bf16, base)).items():
+        np.testing.assert_array_equal(value, want[name], err_msg=name)
