@@ -337,3 +337,11 @@ def test_heads_config_keeps_medusa_fields_to_medusa(base):
         HeadsConfig("medusa", 2, head_layers=0)
     heads = make_heads(HeadsConfig("medusa", 2, head_layers=3, own_lm_head=True), base)
     np.testing.assert_array_equal(np.asarray(heads.lm_heads[1].kernel[...]), np.asarray(base.lm_head_weight()).T)
+
+
+def test_convert_help_says_what_it_trusts(capsys):
+    with pytest.raises(SystemExit):
+        convert_pickle.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "torch.load(..., weights_only=True)" in text and "no code from the file runs" in text
+    assert "PyTorch must be installed" in text and "--file NAME" in text
