@@ -189,7 +189,7 @@ BAD_CONFIGS = {
     "mlp bias": (_set(mlp_bias=True), r"unsupported field mlp_bias=True"),
     "attention bias": (_set(attention_bias=True), r"attention_bias"),
     "quantized": (_set(quantization_config={"quant_method": "gptq"}), r"unsupported field quantization_config"),
-    "sliding window": (_set(model_type="mistral", sliding_window=16), r"sliding_window=16"),
+    "softcapping": (_set(attn_logit_softcapping=50.0), r"attn_logit_softcapping=50.0"),
     "moe": (_set(num_local_experts=8), r"unsupported field num_local_experts=8"),
     "heads": (_set(num_key_value_heads=3), r"num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
 }
