@@ -25,7 +25,6 @@ from clover_jax.io.formats.eagle3_layout import (
     draft_layer,
     layer_hf,
     layer_model_config,
-    read_config,
     read_params,
     stored_dtype,
     unexpected,
@@ -33,7 +32,7 @@ from clover_jax.io.formats.eagle3_layout import (
     write_export,
     write_params,
 )
-from clover_jax.io.formats.weights import read_tensors
+from clover_jax.io.formats.weights import read_config, read_tensors
 from clover_jax.model.llama import Llama
 
 NAME = "eagle1"

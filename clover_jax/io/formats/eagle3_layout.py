@@ -51,24 +51,6 @@ class Eagle3Config:
     prefix: str  # the draft layer's tensor prefix, "midlayer." or "layers.0."
 
 
-def read_config(folder: Path, strict: bool = True) -> dict:
-    """folder/config.json as a dict ({} when absent; unreadable: one line when `strict`, else {})."""
-    path = folder / "config.json"
-    if not path.is_file():
-        return {}
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        if strict:
-            raise CloverError(f"{path}: not valid JSON ({e})") from None
-        return {}
-    if not isinstance(config, dict):
-        if strict:
-            raise CloverError(f"{path}: not a JSON object")
-        return {}
-    return config
-
-
 def layer_ids(value, where: Path, key: str) -> tuple[int, ...] | None:
     """A config's list of layer ids (None when absent), or one line naming `key`."""
     if value is None:

@@ -26,7 +26,7 @@ from clover_jax.drafters import registry
 from clover_jax.drafters.base import HeadsConfig
 from clover_jax.errors import CloverError
 from clover_jax.io.files import replace_together
-from clover_jax.io.formats.weights import read_tensors
+from clover_jax.io.formats.weights import read_config, read_tensors
 from clover_jax.io.hf import save_safetensors
 from clover_jax.model.llama import Llama
 
@@ -43,25 +43,7 @@ def matches(folder: Path) -> bool:
     """A Medusa heads file is there, or a config naming medusa_num_heads (whose weights `load` then asks for)."""
     if any((folder / name).is_file() for name in WEIGHTS):
         return True
-    return "medusa_num_heads" in _config(folder, strict=False)
-
-
-def _config(folder: Path, strict: bool = True) -> dict:
-    """config.json as a dict ({} when absent; unreadable: one line when `strict`, else {})."""
-    path = folder / CONFIG
-    if not path.is_file():
-        return {}
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        if not strict:
-            return {}
-        raise CloverError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        if strict:
-            raise CloverError(f"{path}: not a JSON object")
-        return {}
-    return config
+    return "medusa_num_heads" in read_config(folder, strict=False)
 
 
 def _layout(tensors: dict[str, np.ndarray], where: Path) -> tuple[int, int]:
@@ -129,7 +111,7 @@ def _check(tensors: dict[str, np.ndarray], where: Path, k: int, layers: int, bas
 def load(folder: Path, base: Llama):
     """Medusa-1 heads for `base`: our Medusa heads with `head_layers` L and a projection of their own each."""
     folder = Path(folder)
-    config = _config(folder)
+    config = read_config(folder)
     tensors = read_tensors(folder, WEIGHTS)
     where = folder / next((n for n in WEIGHTS if (folder / n).is_file()), WEIGHTS[0])
     k, layers = _layout(tensors, where)

@@ -31,13 +31,12 @@ from clover_jax.io.formats.eagle3_layout import (
     layer_hf,
     layer_ids,
     load_eagle3,
-    read_config,
     stored_dtype,
     weights_file,
     write_params,
     write_export,
 )
-from clover_jax.io.formats.weights import read_tensors
+from clover_jax.io.formats.weights import read_config, read_tensors
 from clover_jax.model.llama import Llama
 
 NAME = "sglang"

@@ -83,3 +83,21 @@ def read_tensors(folder: Path, names: tuple[str, ...]) -> dict[str, np.ndarray]:
         except Exception as e:  # safetensors' own error types for missing or damaged files
             raise CloverError(f"{path}: cannot read the weights ({e})") from None
     return tensors
+
+
+def read_config(folder: Path, strict: bool = True) -> dict:
+    """folder/config.json as a dict ({} when absent; unreadable: one line when `strict`, else {})."""
+    path = folder / "config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        if strict:
+            raise CloverError(f"{path}: not valid JSON ({e})") from None
+        return {}
+    if not isinstance(config, dict):
+        if strict:
+            raise CloverError(f"{path}: not a JSON object")
+        return {}
+    return config
