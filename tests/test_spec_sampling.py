@@ -53,6 +53,19 @@ def base():
     return noisy(Llama(ModelConfig.tiny(vocab_size=VOCAB), rngs=nnx.Rngs(0)), 0.35, seed=1, replace=True)
 
 
+# Gemma 3's layer: (1 + w) norms around both branches, q/k norms, GeGLU, a scaled embedding and score
+# scalar, and a local layer of window 4 before a global one, so the prefix and the sampled tokens (9 in
+# all) span more than two windows.
+GEMMA3 = dict(model_type="gemma3", qk_norm=True, norm_unit_offset=True, sandwich_norms=True,
+              hidden_act="gelu_pytorch_tanh", embed_scale=True, query_pre_attn_scalar=12.0, sliding_window=4,
+              layer_types=("sliding_attention", "full_attention"), rope_local_theta=10000.0, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def gemma3_base():
+    return noisy(Llama(ModelConfig.tiny(vocab_size=VOCAB, **GEMMA3), rngs=nnx.Rngs(0)), 0.35, seed=1, replace=True)
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _last_logits(graphdef, params, tokens):
     base = nnx.merge(graphdef, params)
@@ -171,6 +184,13 @@ def test_sampling_stays_exact_with_a_draft_vocabulary(base, method, tree):
                               for m, s, t in CASES])
 def test_speculative_sampling_has_the_base_distribution(base, method, sampling, tree):
     pv = p_values(sample_tokens(base, method, sampling, tree), exact_joint(base, sampling))
+    assert min(pv.values()) > 1e-3, pv
+
+
+@pytest.mark.parametrize("method, tree", [("clover2", TREE), ("table", "eagle2:7")], ids=["static", "dynamic"])
+def test_speculative_sampling_on_gemma3_has_the_base_distribution(gemma3_base, method, tree):
+    sampling = SamplingConfig(temperature=1.0)
+    pv = p_values(sample_tokens(gemma3_base, method, sampling, tree), exact_joint(gemma3_base, sampling))
     assert min(pv.values()) > 1e-3, pv
 
 

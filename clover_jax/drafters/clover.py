@@ -14,13 +14,13 @@ from clover_jax.drafters.heads import (
     Heads,
     HeadsConfig,
     ResBlock,
-    copy_layer,
     eye_plus_uniform,
     gate_heads,
+    last_layer_copies,
     token_embeddings,
 )
 from clover_jax.model.config import ModelConfig
-from clover_jax.model.layers import DecoderLayer, Linear, RMSNorm
+from clover_jax.model.layers import Linear, RMSNorm
 from clover_jax.model.llama import Llama
 
 
@@ -57,9 +57,7 @@ class CloverHeads(Heads):
     lm_head(norm(h_i + SiLU(W_i h_i))), `norm` being the base model's final norm."""
 
     def __init__(self, hcfg: HeadsConfig, base: Llama, *, rngs: nnx.Rngs):
-        aug = [DecoderLayer(base.cfg, dtype=base.dtype, rngs=rngs)]
-        copy_layer(base.layers[-1], aug[0])
-        super().__init__(hcfg, base.cfg, aug)
+        super().__init__(hcfg, base.cfg, last_layer_copies(base, 1, rngs))
         self.decoder = CloverAttentionDecoder(base.cfg, hcfg.noise, base.dtype, rngs)
         self.blocks = nnx.List([ResBlock(base.cfg.hidden_size, base.dtype, rngs) for _ in range(hcfg.num_heads)])
 

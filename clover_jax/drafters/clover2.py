@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from clover_jax.drafters.heads import Heads, HeadsConfig, copy_layer, eye_plus_uniform, gate_heads, token_embeddings
+from clover_jax.drafters.heads import Heads, HeadsConfig, eye_plus_uniform, gate_heads, last_layer_copies, token_embeddings
 from clover_jax.drafters.losses import (
     base_distribution,
     head_weights,
@@ -20,7 +20,7 @@ from clover_jax.drafters.losses import (
     targets_and_masks,
 )
 from clover_jax.model.config import ModelConfig
-from clover_jax.model.layers import DecoderLayer, Linear, RMSNorm
+from clover_jax.model.layers import Linear, RMSNorm
 from clover_jax.model.llama import Llama
 
 HIDDEN_WEIGHT = 10.0  # the SmoothL1 term's weight against the soft cross-entropy's
@@ -60,16 +60,13 @@ class Clover2Heads(Heads):
 
     def __init__(self, hcfg: HeadsConfig, base: Llama, *, rngs: nnx.Rngs):
         cfg, dtype, d = base.cfg, base.dtype, base.cfg.hidden_size
-        aug = [DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(hcfg.aug_layers)]
-        for layer in aug:
-            copy_layer(base.layers[-1], layer)
-        super().__init__(hcfg, cfg, aug)
+        super().__init__(hcfg, cfg, last_layer_copies(base, hcfg.aug_layers, rngs))
         self.decoder_in = GateDecoder(cfg, hcfg.noise, dtype, rngs)
         self.decoder_cell = GateDecoder(cfg, hcfg.noise, dtype, rngs)
         self.aug_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
         self.head_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
-        self.aug_norm.weight[...] = jnp.copy(base.norm.weight[...])
-        self.head_norm.weight[...] = jnp.copy(base.norm.weight[...])
+        self.aug_norm.weight[...] = base.norm.scale()
+        self.head_norm.weight[...] = base.norm.scale()
         self.w0 = Linear(d, d, ("embed", "embed_out"), bias=True, dtype=dtype, rngs=rngs)
         self.w0.kernel[...] = eye_plus_uniform(rngs.params(), d, d, hcfg.noise, dtype)
         self.w2 = Linear(2 * d, d, ("embed", "embed_out"), bias=True, dtype=dtype, rngs=rngs)

@@ -54,11 +54,15 @@ DRAFT_LAYER_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim", "i
 
 
 def layer_config(base_cfg: ModelConfig, draft_layer: dict | None) -> ModelConfig:
-    """The draft layer's config: the base model's (draft_layer None), or a Llama layer of the base's width
-    with draft_layer's keys (every one of DRAFT_LAYER_KEYS; rope_scaling None or HF's dict). A missing
-    or unknown key, or a value the engine does not run (a rope type it lacks), is one line."""
+    """The draft layer's config: a Llama layer of the base's width with draft_layer's keys (every one of
+    DRAFT_LAYER_KEYS; rope_scaling None or HF's dict), or with the base model's layer shape (draft_layer
+    None). Either way a Llama layer, as the authors' drafters are for every base: what a family adds
+    (Qwen3's and Gemma's q/k norms, Gemma's (1 + w) norms, GeGLU, score scalar and sliding window) is
+    not in it. A missing or unknown key, or a value the engine does not run (a rope type it lacks), is
+    one line."""
     if draft_layer is None:
-        return base_cfg
+        family = {f.name: f.default for f in dataclasses.fields(base_cfg) if f.metadata.get("family")}
+        return dataclasses.replace(base_cfg, **family)
     missing = [k for k in DRAFT_LAYER_KEYS if k not in draft_layer]
     unknown = sorted(set(draft_layer) - set(DRAFT_LAYER_KEYS))
     if missing or unknown:

@@ -55,7 +55,7 @@ class Eagle3(EagleDrafter):
         self.input_layernorm = RMSNorm(d, eps, dtype)
         self.hidden_norm = RMSNorm(d, eps, dtype)
         self.norm = RMSNorm(d, eps, dtype)
-        self.norm.weight[...] = jnp.copy(base.norm.weight[...])
+        self.norm.weight[...] = base.norm.scale()
         self.norm_before_residual = "norm_before_residual" in hcfg.switches
         self.norm_output = "norm_output" in hcfg.switches
         n = hcfg.draft_vocab or cfg.vocab_size

@@ -47,9 +47,15 @@ def gate_heads(cfg: ModelConfig) -> int:
     return cfg.num_heads
 
 
-def copy_layer(src: DecoderLayer, dst: DecoderLayer) -> None:
-    """Initialise an Augmenting Block layer from the base model's last layer (weights copied)."""
-    nnx.update(dst, jax.tree.map(jnp.copy, nnx.state(src, nnx.Param)))
+def last_layer_copies(base: Llama, n: int, rngs: nnx.Rngs) -> list[DecoderLayer]:
+    """n Augmenting Block layers, each initialised as the base model's last layer: its weights and its
+    kind (Gemma 3's last layer is a sliding-window one, and its copies keep the window and local RoPE)."""
+    cfg = base.cfg
+    local = cfg.is_local(cfg.num_layers - 1)
+    layers = [DecoderLayer(cfg, dtype=base.dtype, rngs=rngs, local=local) for _ in range(n)]
+    for layer in layers:
+        nnx.update(layer, jax.tree.map(jnp.copy, nnx.state(base.layers[-1], nnx.Param)))
+    return layers
 
 
 class ResBlock(nnx.Module):

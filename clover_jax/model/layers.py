@@ -137,6 +137,10 @@ class RMSNorm(nnx.Module):
             return (xf * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...].astype(x.dtype) * xf.astype(x.dtype)
 
+    def scale(self) -> jax.Array:
+        """The per-channel factor it applies, w or 1 + w: the weight a Llama-style norm copies."""
+        return self.weight[...] + 1 if self.unit_offset else jnp.copy(self.weight[...])
+
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     """Rotary embedding, rotate-half layout. x [B, T, N, H], positions [B, T]."""
