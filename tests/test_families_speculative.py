@@ -61,3 +61,23 @@ def test_greedy_speculative_output_is_plain_greedy_output(loaded, plain, family,
     hist = np.asarray(out.accept_hist).sum(0)
     if not registry.get(method).chained:
         assert hist[1:].sum() > 0, hist  # some steps accepted drafts
+
+
+def test_drafters_on_gemma3_start_from_the_right_layers(loaded):
+    """EAGLE's draft layer is a Llama layer (no q/k norms, window, score scalar or GeGLU) whose final
+    norm starts at Gemma's 1 + w; Clover-2's Augmenting Block copies the last layer, a local one, as
+    the local layer it is."""
+    base = loaded("gemma3-kv1")[3]
+    assert base.cfg.is_local(base.cfg.num_layers - 1)
+    eagle3 = make_heads(HeadsConfig("eagle3", 2), base)
+    attn = eagle3.layer.self_attn
+    assert attn.q_norm is None and attn.k_norm is None and attn.window is None
+    assert attn.cfg.query_pre_attn_scalar is None and attn.cfg.hidden_act == "silu" and not attn.cfg.norm_unit_offset
+    np.testing.assert_allclose(np.asarray(eagle3.norm.weight[...]), 1 + np.asarray(base.norm.weight[...]))
+    clover2 = make_heads(HeadsConfig("clover2", 2), base)
+    last = base.layers[-1]
+    for layer in clover2.aug:
+        assert layer.self_attn.local and layer.self_attn.window == base.cfg.sliding_window
+        np.testing.assert_array_equal(np.asarray(layer.self_attn.q_norm.weight[...]),
+                                      np.asarray(last.self_attn.q_norm.weight[...]))
+    np.testing.assert_allclose(np.asarray(clover2.head_norm.weight[...]), 1 + np.asarray(base.norm.weight[...]))
