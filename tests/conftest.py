@@ -7,6 +7,7 @@ at 1e-4 cannot pass by accident on near-zero activations or untouched defaults.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import re
@@ -151,6 +152,18 @@ def pytest_sessionfinish(session):
     The controller has the reports by then, and execnet still ends a worker stuck for 10 s more."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_compiled_programs():
+    """After each file, the compiled programs its tests and fixtures made are dropped. Every XLA:CPU
+    executable keeps memory mappings of its own (code and buffers), and a worker that runs file after
+    file holding all of them passes the kernel's limit of 65,530 mappings a process (vm.max_map_count)
+    some 400 tests in: LLVM's next mapping then fails and the worker dies of a segmentation fault
+    inside a compile. Session fixtures recompile what they need, which costs seconds."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -99,7 +99,7 @@ def test_medusa1_heads_give_medusas_own_logits(kind, layers, base, tmp_path, cap
     assert drafter.depth == K and drafter.hcfg.head_layers == layers and drafter.hcfg.own_lm_head
     tokens = np.random.default_rng(0).integers(3, cfg.vocab_size, size=(2, 7), dtype=np.int32)
     normed = hidden_normed(base, tokens)
-    want = reference_medusa.head_logits(ref, torch.from_numpy(np.asarray(normed))).numpy()
+    want = reference_medusa.head_logits(ref, torch.from_numpy(np.array(normed))).numpy()
     np.testing.assert_allclose(our_logits(drafter, base, normed), want, atol=1e-4, rtol=1e-4)
     # Over a draft vocabulary: the same logits, the vocabulary's columns of each head's own projection.
     vocab = DraftVocab.most_frequent(base.lm_head_weight(), None, 20)
