@@ -230,6 +230,7 @@ class Payload:
 @pytest.mark.parametrize("content, says", [("an object", "it names argparse.Namespace"),
                                            ("code", "it names io.open"),
                                            ("protocol 4", "Unsupported operand")])
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # torch says so before it refuses the file
 def test_convert_refuses_a_pickle_that_is_not_weights_only(content, says, tmp_path, cache, capsys):
     folder = tmp_path / "medusa"
     folder.mkdir()
