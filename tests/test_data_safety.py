@@ -348,3 +348,23 @@ def test_a_killed_conversion_leaves_nothing_for_long(tmp_path, monkeypatch):
     monkeypatch.setattr(gguf, "convert_gguf", convert)
     target = gguf.gguf_checkpoint(source, cache)
     assert sorted(p.name for p in (cache / "models").iterdir()) == sorted([target.name, running.name, elsewhere.name])
+
+
+def test_hidden_states_that_overflow_float16_are_one_line_and_keep_the_old_dataset(model_dir, old_set, prompts,
+                                                                                     tmp_path, capsys):
+    """A base model whose residual stream passes float16's 65,504 (Gemma 3's does; here the tiny model with
+    its embedding times 1e6) is refused in one line naming bfloat16, not written as inf into the data;
+    bfloat16 stores the same states."""
+    big = tmp_path / "big"
+    shutil.copytree(model_dir, big)
+    _, model = load_pretrained(big)
+    model.embed_tokens.embedding[...] = model.embed_tokens.embedding[...] * 1e6
+    hf.save_pretrained(model, big, dtype=np.float32)
+    d = shutil.copytree(old_set, tmp_path / "d")
+    before = snapshot(d)
+    code, err = run_make_data(capsys, big, prompts / "good.jsonl", d, "--store-hidden=float16")
+    assert code == 2 and "--store-hidden bfloat16" in last_line(err) and "not finite as float16" in err, err
+    assert snapshot(d) == before
+    code, err = run_make_data(capsys, big, prompts / "good.jsonl", tmp_path / "bf16", "--store-hidden=bfloat16")
+    assert code == 0, err
+    assert np.isfinite(np.load(tmp_path / "bf16" / "hidden.npy").view(data.HIDDEN_DTYPES["bfloat16"])).all()

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 import cli
 from clover_jax.engine.decode import BUCKETS, bucket_for, to_host
+from clover_jax.errors import CloverError
 from clover_jax.io.files import preallocate, write_text
 from clover_jax.model.llama import Llama, causal_self_mask
 from clover_jax.model.sharding import put_batch
@@ -62,6 +63,17 @@ def data_buckets(max_len: int, lengths: Sequence[int] | None = None) -> tuple[in
     return tuple(short + list(range(BUCKET_STEP, max_len, BUCKET_STEP)) + [max_len])
 
 
+def check_finite(hidden: np.ndarray, feats: np.ndarray | None, group, lengths, dtype) -> None:
+    """One line when a batch's stored values are not finite: float16 holds at most 65,504, and a base
+    model whose residual stream runs larger (Gemma 3's does) would otherwise write inf into the data and
+    train every method into a NaN loss."""
+    for name, values in (("hidden states", hidden), ("feature layers' outputs", feats)):
+        if values is not None and not all(np.isfinite(values[row, : lengths[e]]).all() for row, e in enumerate(group)):
+            hint = (" (its largest value is 65504): store them as --store-hidden bfloat16, which has float32's range"
+                    if dtype == np.float16 else "")
+            raise CloverError(f"the base model's {name} are not finite as {dtype.name}{hint}")
+
+
 def write_hidden(model: Llama, tokens: np.ndarray, offsets: np.ndarray, out: np.ndarray, batch_size: int,
                  max_len: int, mesh=None, features: np.ndarray | None = None,
                  feature_layers: tuple[int, ...] = (), start: int = 0,
@@ -87,6 +99,7 @@ def write_hidden(model: Llama, tokens: np.ndarray, offsets: np.ndarray, out: np.
         batch = jnp.asarray(batch) if mesh is None else put_batch(batch, mesh)
         hidden, feats = _last_hidden(graphdef, params, batch, dtype=out.dtype.name, feature_layers=feature_layers)
         hidden, feats = to_host(hidden), None if feats is None else to_host(feats)
+        check_finite(hidden, feats, group, lengths, out.dtype)
         for row, e in enumerate(group):
             out[offsets[e]: offsets[e + 1]] = hidden[row, : lengths[e]]
             if features is not None:
@@ -147,9 +160,15 @@ def store_hidden(model: Llama, tokens: np.ndarray, offsets: np.ndarray, out: Pat
             write_text(out / PARTIAL[2], json.dumps({"key": key, "done": done}) + "\n")
             last = time.monotonic()
 
-    write_hidden(model, tokens, offsets, arrays[0], args.batch_size, max_len, mesh,
-                 arrays[1] if feature_layers else None, feature_layers, start=start, on_batch=checkpoint,
-                 buckets=buckets)
+    try:
+        write_hidden(model, tokens, offsets, arrays[0], args.batch_size, max_len, mesh,
+                     arrays[1] if feature_layers else None, feature_layers, start=start, on_batch=checkpoint,
+                     buckets=buckets)
+    except CloverError:  # values this dtype cannot hold: no rerun resumes such a pass, so none is kept
+        arrays.clear()
+        for name in PARTIAL:
+            (out / name).unlink(missing_ok=True)
+        raise
     for array in arrays:
         array.flush()
     arrays.clear()  # the maps closed before their files are renamed
