@@ -62,7 +62,7 @@ def layer_config(base_cfg: ModelConfig, draft_layer: dict | None) -> ModelConfig
     one line."""
     if draft_layer is None:
         family = {f.name: f.default for f in dataclasses.fields(base_cfg) if f.metadata.get("family")}
-        return dataclasses.replace(base_cfg, **family)
+        return dataclasses.replace(base_cfg, model_type="llama", **family)
     missing = [k for k in DRAFT_LAYER_KEYS if k not in draft_layer]
     unknown = sorted(set(draft_layer) - set(DRAFT_LAYER_KEYS))
     if missing or unknown:
