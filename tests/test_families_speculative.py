@@ -81,4 +81,3 @@ def test_drafters_on_gemma3_start_from_the_right_layers(loaded):
         np.testing.assert_array_equal(np.asarray(layer.self_attn.q_norm.weight[...]),
                                       np.asarray(last.self_attn.q_norm.weight[...]))
     np.testing.assert_allclose(np.asarray(clover2.head_norm.weight[...]), 1 + np.asarray(base.norm.weight[...]))
-
