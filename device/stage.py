@@ -7,7 +7,7 @@
 Each part's chunks go to STAGE/chunks ($CLOVER_STAGE, else /tmp/clover-stage). An item whose chunks are
 all there is joined, checked against the manifest's sha256, unpacked to its place in the stage and
 then set up (the gguf wheel installed into STAGE/site; the GGUF converted into STAGE/cache as
-`--model smollm2` converts it), and marked done; its chunks are then deleted. Rerunning is safe: done
+`--model NAME` converts it), and marked done; its chunks are then deleted. Rerunning is safe: done
 items are skipped, and a half-unpacked item is redone. `--need check|train` exits 1, naming the parts
 still to send, unless everything that lease needs is done. Runs with the standard library alone
 (the conversion step calls the project's own code).
@@ -86,7 +86,7 @@ def finish(item: dict, stage: Path, post: bool = True) -> bool:
             shutil.copyfileobj(src, dst, 1 << 22)
     blob.unlink()
     if post and item["post"]:
-        set_up(item["post"], dest, stage)
+        set_up(item["post"], dest, stage, item["name"])
     done.parent.mkdir(parents=True, exist_ok=True)
     done.write_text("ok\n")
     for c in chunks:
@@ -94,15 +94,16 @@ def finish(item: dict, stage: Path, post: bool = True) -> bool:
     return True
 
 
-def set_up(post: str, dest: Path, stage: Path) -> None:
-    """An item's step after unpacking: the wheel installed, or the GGUF converted (minutes of nothing
-    at the check's start saved: the converted model stays in the stage)."""
+def set_up(post: str, dest: Path, stage: Path, name: str) -> None:
+    """An item's step after unpacking: the wheel installed, or the GGUF of the named model `name`
+    converted (minutes of nothing at the check's start saved: the converted model stays in the stage)."""
     if post == "pip":
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                         "--no-cache-dir", "--upgrade", "--target", str(stage / "site"), str(dest)], check=True)
     elif post == "convert":
-        subprocess.run([sys.executable, "-c", "from clover_jax.io import sources; print('model:', "
-                        "sources.model_path('smollm2'), flush=True)"], cwd=REPO, env=stage_env(stage), check=True)
+        subprocess.run([sys.executable, "-c", "import sys; from clover_jax.io import sources; print('model:', "
+                        "sources.model_path(sys.argv[1]), flush=True)", name], cwd=REPO, env=stage_env(stage),
+                       check=True)
     else:
         raise SystemExit(f"error: unknown set-up step {post!r}")
 

@@ -1,5 +1,7 @@
 """`python -m device.train`: the prepared training lease, SmolLM2's heads for every method in about 8 minutes.
 
+(`--model gemma3`: Gemma 3 270M's, a base model, by the same plan: device/README.md, "A Gemma 3 training lease".)
+
     python3 -m device.stage .device-stage/part-2.tar --need train && python3 -m device.train   # on the device
     python -m device.train --dry --out /tmp/train                                               # here, on a CPU
 
@@ -31,6 +33,8 @@ from device.common import Clock, bundle, out_dir, run_jobs, run_one, stage_dir, 
 
 REPO = Path(__file__).resolve().parents[1]
 METHODS = ("clover2", "clover", "medusa", "eagle", "eagle3")
+MODELS = ("smollm2", "gemma3")
+GEMMA_EVAL = 320  # Gemma 3's held-out records: ShareGPT's first, answered by the model itself
 PIECE = 15 * 2**20  # under the 16 MiB a returned file may be
 
 
@@ -58,7 +62,7 @@ def commands(args, work: Path) -> dict[str, list]:
         fixed_file = dry_records(work / "fixed.jsonl", args.fixed * args.fixed_records)
         fixed = [md + ["--data", str(fixed_file), "--mode", "fixed", "--first", str(k * args.fixed_records),
                        "--limit", str(args.fixed_records), "--out", str(d / f"fixed{k}")] for k in range(args.fixed)]
-    else:
+    elif args.model == "smollm2":
         base = "smollm2"
         md = py + ["train.make_data", "--base", base, "--data", "sharegpt", "--chat", "--max-len", "2048",
                    "--store-hidden", "float16", "--store-features", "--batch-size", "32", "--buckets", "512,1024"]
@@ -66,6 +70,17 @@ def commands(args, work: Path) -> dict[str, list]:
         evals = md + own + ["--limit", "640", "--out", str(d / "eval")]
         selfs = md + own + ["--limit", str(args.self_records), "--out", str(d / "self")]
         fixed = [md + ["--mode", "fixed", "--first", str(args.self_records + k * args.fixed_records),
+                       "--limit", str(args.fixed_records), "--out", str(d / f"fixed{k}")] for k in range(args.fixed)]
+    else:  # gemma3: a base model, so ShareGPT's first user turns as plain text to continue, no chat template;
+        # bfloat16 hidden states (its residual stream passes float16's range); no committed answers, so the
+        # held-out set is the model's own answers to the first GEMMA_EVAL records, the others come after them
+        base = "gemma3"
+        md = py + ["train.make_data", "--base", base, "--data", "sharegpt", "--max-len", "2048",
+                   "--store-hidden", "bfloat16", "--store-features", "--batch-size", "32", "--buckets", "512,1024"]
+        own = ["--max-new-tokens", "256"]
+        evals = md + own + ["--limit", str(GEMMA_EVAL), "--out", str(d / "eval")]
+        selfs = md + own + ["--first", str(GEMMA_EVAL), "--limit", str(args.self_records), "--out", str(d / "self")]
+        fixed = [md + ["--mode", "fixed", "--first", str(GEMMA_EVAL + args.self_records + k * args.fixed_records),
                        "--limit", str(args.fixed_records), "--out", str(d / f"fixed{k}")] for k in range(args.fixed)]
     merge = py + ["train.merge_data", str(d / "self"), *[str(d / f"fixed{k}") for k in range(args.fixed)],
                   "--out", str(d / "joined")]
@@ -99,6 +114,11 @@ def pieces(folder: Path, out: Path, name: str) -> list[Path]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m device.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--dry", action="store_true", help="the reference model, tiny sizes, on this machine")
+    p.add_argument("--model", choices=MODELS, default="smollm2",
+                   help="whose heads: smollm2 (chat prompts, its committed answers) or gemma3 (Gemma 3 270M, a "
+                        "base model: plain-text prompts, bfloat16 hidden states, a 32768-token loss and draft "
+                        "vocabulary for its 262,144 tokens; pack it with device.pack --model gemma3 --for train) "
+                        "(default: smollm2)")
     p.add_argument("--out", help="where the results go (default: $OUT)")
     p.add_argument("--budget-s", type=float, default=None, help="seconds the whole lease may take (default: 450)")
     p.add_argument("--methods", default=",".join(METHODS), help="methods to train (default: all five)")
@@ -110,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=None, help="windows a step (default: 8; dry 2)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens a window (default: 512; dry 64)")
     p.add_argument("--eval-every", type=int, default=None, help="steps between held-out evaluations (default: 400; dry 2)")
-    p.add_argument("--vocab", type=int, default=None, help="loss / EAGLE-3 draft vocabulary (default: 8192; dry 256)")
+    p.add_argument("--vocab", type=int, default=None,
+                   help="loss / EAGLE-3 draft vocabulary (default: 8192, gemma3 32768; dry 256)")
     return p
 
 
@@ -118,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     dry = dict(self_records=8, fixed_records=6, steps=4, batch=2, seq_len=64, eval_every=2, vocab=256)
     real = dict(self_records=1570, fixed_records=800, steps=4000, batch=8, seq_len=512, eval_every=400, vocab=8192)
+    if args.model == "gemma3":
+        real["vocab"] = 32768
     for k, v in (dry if args.dry else real).items():
         if getattr(args, k) is None:
             setattr(args, k, v)

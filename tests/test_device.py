@@ -113,3 +113,28 @@ def test_the_trainings_dry_mode_returns_heads_and_curves(tmp_path):
         assert "heads/medusa/heads.json" in tar.getnames()
     with tarfile.open(tmp_path / "train.tar.gz") as tar:
         assert "train/medusa/metrics.jsonl" in tar.getnames()
+
+
+def test_the_gemma3_training_lease_parses_and_keeps_its_sets_apart(tmp_path):
+    from device import train as lease
+    from train.make_data import build_parser as data_parser
+    from train.train import build_parser as train_parser
+
+    args = lease.build_parser().parse_args(["--model", "gemma3"])
+    real = dict(self_records=1570, fixed_records=800, steps=4000, batch=8, seq_len=512, eval_every=400, vocab=32768)
+    for k, v in real.items():
+        setattr(args, k, v)
+    cmd = lease.commands(args, tmp_path)
+    sets = [cmd["eval"], cmd["self"], *cmd["fixed"]]
+    spans = []
+    for c in sets:
+        a = data_parser().parse_args(c[3:])
+        assert a.base == "gemma3" and not a.chat and a.store_hidden == "bfloat16" and a.store_features
+        spans.append(range(a.first, a.first + a.limit))
+    assert all(x.stop <= y.start for x, y in zip(spans, spans[1:]))  # held-out, self and fixed sets share no record
+    for m, c in cmd["train"].items():
+        t = train_parser().parse_args(c[3:])
+        assert t.base == "gemma3" and t.method == m
+        assert (t.draft_vocab if m == "eagle3" else t.loss_vocab) == 32768
+    with pytest.raises(SystemExit, match="training lease only"):
+        pack.lease_items(tmp_path, 10, {"check", "train"}, "gemma3")
