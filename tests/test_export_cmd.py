@@ -161,11 +161,12 @@ def test_eagle3_heads_export_as_sglang_and_speculators_and_load_back_the_same(na
         np.testing.assert_allclose(np.asarray(got[key][...]), np.asarray(want[key][...]), atol=1e-6, err_msg=str(key))
 
 
-def test_a_format_that_cannot_hold_the_trained_heads_keeps_the_training(model_dir, data, tmp_path, capsys):
+def test_a_format_that_cannot_hold_the_heads_is_refused_before_training(model_dir, data, tmp_path, capsys):
     """EAGLE-3 on a two-layer base fuses its last layer, which the published formats cannot name: the
-    export is refused in one line that says where the trained heads are."""
+    export is tried on the untrained drafter and refused in one line before a step runs, nothing written."""
     code, _, err = _run(train, capsys, *_argv(model_dir, data, tmp_path / "heads", tmp_path / "work", "eagle3",
                                               "--steps", 1, "--export-format", "sglang"))
-    [line] = [line for line in err.splitlines() if line.startswith("error: ")]  # after the progress bars
-    assert code == 2 and f"the trained heads are saved in {tmp_path / 'heads'}" in line, err
-    assert (tmp_path / "heads" / "heads.json").is_file() and not (tmp_path / "heads-sglang").exists()
+    assert code == 2 and err.startswith("error: --export-format sglang: ") and err.count("\n") == 1, err
+    assert "last layer" in err and "drop the flag" in err
+    assert not (tmp_path / "heads").exists() and not (tmp_path / "heads-sglang").exists()
+    assert not (tmp_path / "work" / "metrics.jsonl").exists()

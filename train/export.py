@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import tempfile
 from pathlib import Path
 
 import jax
@@ -74,6 +75,21 @@ def export(drafter: Drafter, base: Llama, out: str | Path, name: str, base_name:
     return fmt.export(drafter, base, Path(out), **({"base_name": str(base_name)} if named else {}))
 
 
+def check_exportable(drafter: Drafter, base: Llama, names: list[str], base_name: str | None) -> None:
+    """train.train's --export-format, tried on the drafter before it trains: each format's export written
+    into a scratch folder and thrown away, so what a format cannot hold (a draft layer with q/k/v biases,
+    a feature layer its runtimes do not capture) is refused before the training, not after it."""
+    if not names:
+        return
+    with tempfile.TemporaryDirectory(prefix="clover-export-check-") as tmp:
+        for name in names:
+            try:
+                export(drafter, base, Path(tmp) / name, name, base_name)
+            except CloverError as e:
+                raise CloverError(f"--export-format {name}: {e}; drop the flag (train.export can still write "
+                                  "another format later)") from None
+
+
 def write_exports(drafter: Drafter, base: Llama, out: str | Path, names: list[str], base_name: str | None,
                   dtype) -> list[Path]:
     """train.train's --export-format: each format's export of `drafter`, stored in `dtype`, beside `out`."""
@@ -84,7 +100,7 @@ def write_exports(drafter: Drafter, base: Llama, out: str | Path, names: list[st
     for name in names:
         try:
             written.append(export(drafter, base, export_dir(out, name), name, base_name))
-        except CloverError as e:  # what a format cannot hold shows only now: the training itself is kept
+        except CloverError as e:  # check_exportable refused what it could; the training itself is kept
             raise CloverError(f"{e} (--export-format {name}; the trained heads are saved in {out})") from None
         print(f"wrote the heads as {name} to {written[-1]}")
     return written

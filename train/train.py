@@ -314,6 +314,7 @@ def run(args) -> int:
             raise CloverError(f"--loss-vocab {args.loss_vocab} must be in [1, {base.cfg.vocab_size}] (the vocabulary)")
     loss_vocab = DraftVocab.most_frequent(base.lm_head_weight(), counts, args.loss_vocab) if args.loss_vocab else None
     stored_features = stores_features(data, drafter)
+    export.check_exportable(drafter, base, exports, args.base)
     # The export's size is known now: a full --out is refused before the training, not after it.
     check_free_space(args.out, export_bytes(drafter, base.cfg.vocab_size, DTYPES[args.export_dtype]), " for the heads")
     # Float32 master weights; the forward casts them to the activations' dtype.
