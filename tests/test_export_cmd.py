@@ -170,3 +170,50 @@ def test_a_format_that_cannot_hold_the_heads_is_refused_before_training(model_di
     assert "last layer" in err and "drop the flag" in err
     assert not (tmp_path / "heads").exists() and not (tmp_path / "heads-sglang").exists()
     assert not (tmp_path / "work" / "metrics.jsonl").exists()
+
+
+def test_train_fine_tunes_a_published_eagle3_drafter_from_its_own_folder(model_dir, data, tmp_path, capsys):
+    """--init-from a SpecForge/SGLang EAGLE-3 folder (no heads.json): the drafter trains on with its own
+    feature layers and draft vocabulary, and its exported heads start from the published weights."""
+    base = _base(model_dir)
+    theirs = make_heads(HeadsConfig("eagle3", 3, draft_vocab=40, aux_layer_ids=(0, 0, 0)), base, seed=5)
+    theirs.set_vocab(base, jnp.arange(3, 43, dtype=jnp.int32))
+    export.export(theirs, base, tmp_path / "published", "sglang")
+    assert not (tmp_path / "published" / "heads.json").exists()
+    code, _, err = _run(train, capsys, *_argv(model_dir, data, tmp_path / "heads", tmp_path / "work", "eagle3",
+                                              "--steps", 3, "--init-from", tmp_path / "published",
+                                              "--num-heads", 7))  # a published EAGLE-3 loads drafting 7 deep
+    assert code == 0, err
+    tuned = load_heads(tmp_path / "heads", base, "eagle3")
+    assert tuned.hcfg.aux_layer_ids == (0, 0, 0) and tuned.hcfg.draft_vocab == 40
+    np.testing.assert_array_equal(np.asarray(tuned.ids[...]), np.arange(3, 43))
+    run = json.loads((tmp_path / "work" / "run.json").read_text())
+    assert len(run["init_from_sha256"]) == 64
+    before, after = (np.asarray(d.fc.kernel[...], np.float32) for d in (theirs, tuned))
+    assert 0 < np.abs(after - before).max() < 0.1  # a few small steps from the published weights, not a fresh start
+
+
+def test_evaluate_measures_a_published_drafter_and_refuses_to_record_into_it(model_dir, data, tmp_path, capsys):
+    from train import evaluate
+
+    base = _base(model_dir)
+    theirs = make_heads(HeadsConfig("eagle3", 3, draft_vocab=40, aux_layer_ids=(0, 0, 0)), base, seed=5)
+    theirs.set_vocab(base, jnp.arange(3, 43, dtype=jnp.int32))
+    export.export(theirs, base, tmp_path / "published", "sglang")
+    argv = ["--heads", tmp_path / "published", "--base", model_dir, "--data", data, "--split", "all",
+            "--seq-len", 32, "--batch-size", 2, "--eval-batches", 2]
+    code, out, err = _run(evaluate, capsys, *argv, "--json", tmp_path / "figures.json")
+    assert code == 0, err
+    figures = json.loads((tmp_path / "figures.json").read_text())
+    assert len(figures["val_top1"]) == 7 and 0 <= figures["val_top1"][0] <= 1  # drafting 7 deep, as loaded
+    before = sorted(p.name for p in (tmp_path / "published").iterdir())
+    code, _, err = _run(evaluate, capsys, *argv, "--record")
+    assert code == 2 and "published drafter" in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in (tmp_path / "published").iterdir()) == before
+
+
+def test_train_fine_tunes_a_medusa1_export(trained, model_dir, data, tmp_path, capsys):
+    code, _, err = _run(train, capsys, *_argv(model_dir, data, tmp_path / "heads", tmp_path / "work", "medusa",
+                                              "--steps", 2, "--init-from", trained / "heads-medusa"))
+    assert code == 0, err
+    assert load_heads(tmp_path / "heads", _base(model_dir), "medusa").hcfg.method == "medusa"

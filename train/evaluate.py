@@ -28,8 +28,8 @@ import numpy as np
 from flax import nnx
 
 import cli
-from clover_jax.io.heads_dir import (CONFIG, TREE, load_fitted_tree, load_heads, load_token_counts, read_heads_config,
-                                    save_fitted_tree)
+from clover_jax.io.heads_dir import (CONFIG, TREE, is_ours, load_fitted_tree, load_heads, load_token_counts,
+                                    read_heads_config, save_fitted_tree)
 from clover_jax.io.hf import load_pretrained
 from clover_jax.drafters.vocab import DraftVocab
 from clover_jax.errors import CloverError
@@ -54,7 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "responses) through the first 1, 2, ... heads. The window, batch and loss vocabulary default "
                     "to the heads' own training settings (heads.json), so the figures compare with its held_out.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--heads", required=True, metavar="DIR", help="heads directory written by train.train")
+    p.add_argument("--heads", required=True, metavar="DIR",
+                   help="heads directory written by train.train, or a published drafter as infer.generate's --heads "
+                        "reads it (a folder or Hub id: SpecForge/SGLang, speculators or EAGLE authors' EAGLE-3, "
+                        "Medusa-1, EAGLE-1), measured with train.train's default settings")
     p.add_argument("--base", required=True, metavar="DIR|NAME",
                    help="the base model the heads were trained for (a checkpoint directory, or smollm2)")
     p.add_argument("--data", required=True, metavar="DIR", help="dataset directory written by train.make_data")
@@ -141,13 +144,18 @@ def run(args) -> int:
             raise CloverError(f"{flag} {path}: its folder does not exist; create it or write elsewhere")
         if path:
             cli.check_output_file(path, flag)
+    args.heads = str(sources.drafter_path(args.heads))  # a Hub id of a published drafter: its files
+    ours = is_ours(args.heads)
+    if args.record and not ours:
+        raise CloverError(f"--record writes into our heads' {CONFIG}; {args.heads} holds a published drafter (no "
+                          f"{CONFIG}): drop --record (--json FILE keeps the figures, --tree-out FILE the tree)")
     if args.record:  # heads.json and tree.json are rewritten there, after the measuring
         cli.check_output_dir(args.heads, "--record")
     if args.fit_tree is not None and args.fit_tree < 2:
         raise CloverError(f"--fit-tree {args.fit_tree} must be >= 2 (the root and one draft)")
     if args.tree_out and not args.fit_tree:
         raise CloverError("--tree-out writes the tree --fit-tree N fits; add --fit-tree N")
-    meta = read_heads_config(args.heads)
+    meta = read_heads_config(args.heads) if ours else {}  # a published drafter: train.train's defaults
     s = settings(args, meta.get("training") or {})
     _, base = load_pretrained(sources.model_dir(args.base), dtype=jnp.float32)
     drafter = load_heads(args.heads, base)
@@ -180,7 +188,7 @@ def run(args) -> int:
     if not figures:
         raise CloverError(f"{args.data}: no example in its {args.split} split to measure")
     report = {"data": args.data, "split": args.split, **s, **figures}  # the data as named, like "training"
-    print(f"{meta['heads']['method']} heads in {args.heads} on {args.data} ({args.split}): "
+    print(f"{drafter.hcfg.method} heads in {args.heads} on {args.data} ({args.split}): "
           f"loss {figures['val_loss']:.4f}, top-1 per head {[round(a, 3) for a in figures['val_top1']]}, "
           f"chain tau through 1, 2, ... heads {[round(t, 3) for t in figures['val_chain_tau_by_depth']]}")
     report.update(replayed_trees(args, drafter, kept))

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from clover_jax.drafters import registry
 from clover_jax.io.files import check_free_space
-from clover_jax.io.heads_dir import WEIGHTS, export_bytes, load_heads, read_heads_config, save_heads
+from clover_jax.io.heads_dir import WEIGHTS, export_bytes, load_heads, save_heads
 from clover_jax.api import DTYPES
 from clover_jax.io.hf import load_pretrained
 from clover_jax.engine.decode import to_host
@@ -183,10 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "projections, most of a step on a CPU, cost N/V as much (SmolLM2: 8192 of 49,152). "
                         f"{own_vocab_titles()} always scores its own --draft-vocab")
     p.add_argument("--init-from", metavar="HEADS",
-                   help="start from these trained heads (a directory train.train exported, e.g. "
-                        "models/smollm2/heads/clover2) instead of a fresh initialisation, and train them on "
-                        "with a new schedule and new optimizer state; they keep their own number of heads, "
-                        "embedding source and draft vocabulary")
+                   help="start from these trained heads instead of a fresh initialisation, and train them on "
+                        "with a new schedule and new optimizer state: a directory train.train exported (e.g. "
+                        "models/smollm2/heads/clover2), or a published drafter as --heads reads it (a folder or "
+                        "Hub id of SpecForge/SGLang, speculators or EAGLE authors' EAGLE-3, Medusa-1, EAGLE-1); "
+                        "they keep their own number of heads, embedding source, draft vocabulary and feature layers")
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps (the schedule's length)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per training window")
@@ -256,6 +257,17 @@ def open_dataset(path: str, base: Llama) -> HeadDataset:
     return data
 
 
+def weights_sha256(folder: str | Path) -> str:
+    """sha256 of the weights of an --init-from drafter: our heads' weights file, or every safetensors file
+    of a published drafter's folder in name order."""
+    folder = Path(folder)
+    files = [folder / WEIGHTS] if (folder / WEIGHTS).is_file() else sorted(folder.glob("*.safetensors"))
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
 def run(args) -> int:
     cli.use_compile_cache(args.compile_cache)
     for name in ("steps", "batch_size", "seq_len", "eval_every", "ckpt_every", "keep"):
@@ -281,8 +293,9 @@ def run(args) -> int:
         held = open_dataset(args.eval_data, base)
         val_idx = held.split(args.val_fraction)[1]
     if args.init_from:
+        args.init_from = str(sources.drafter_path(args.init_from))  # a Hub id of a published drafter: its files
         drafter = load_heads(args.init_from, base, method=args.method)
-        hcfg = HeadsConfig(**read_heads_config(args.init_from)["heads"])
+        hcfg = drafter.hcfg
         for flag, asked, theirs in (("--num-heads", args.num_heads, hcfg.num_heads),
                                     ("--embed-source", args.embed_source, hcfg.embed_source),
                                     ("--draft-vocab", args.draft_vocab, hcfg.draft_vocab)):
@@ -340,8 +353,7 @@ def run(args) -> int:
                    "token_counts_sha256": hashlib.sha256(np.asarray(counts, np.int64).tobytes()).hexdigest(),
                    **({"eval_data": str(Path(args.eval_data).resolve())} if args.eval_data else {}),
                    # A resume's checkpoint replaces the initial drafter; it may not name another one.
-                   **({"init_from_sha256": hashlib.sha256((Path(args.init_from) / WEIGHTS).read_bytes()).hexdigest()}
-                      if args.init_from else {})})
+                   **({"init_from_sha256": weights_sha256(args.init_from)} if args.init_from else {})})
     if last.latest_step() is not None and not args.resume:
         raise CloverError(f"{work} already holds checkpoints; pass --resume to continue, or another --work-dir")
     start, restored = restore_latest(last, {"params": params, "opt_state": opt_state})
