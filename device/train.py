@@ -62,25 +62,21 @@ def commands(args, work: Path) -> dict[str, list]:
         fixed_file = dry_records(work / "fixed.jsonl", args.fixed * args.fixed_records)
         fixed = [md + ["--data", str(fixed_file), "--mode", "fixed", "--first", str(k * args.fixed_records),
                        "--limit", str(args.fixed_records), "--out", str(d / f"fixed{k}")] for k in range(args.fixed)]
-    elif args.model == "smollm2":
-        base = "smollm2"
-        md = py + ["train.make_data", "--base", base, "--data", "sharegpt", "--chat", "--max-len", "2048",
-                   "--store-hidden", "float16", "--store-features", "--batch-size", "32", "--buckets", "512,1024"]
-        own = ["--max-new-tokens", "256", "--answers", str(REPO / "models" / "smollm2" / "distill")]
-        evals = md + own + ["--limit", "640", "--out", str(d / "eval")]
-        selfs = md + own + ["--limit", str(args.self_records), "--out", str(d / "self")]
-        fixed = [md + ["--mode", "fixed", "--first", str(args.self_records + k * args.fixed_records),
-                       "--limit", str(args.fixed_records), "--out", str(d / f"fixed{k}")] for k in range(args.fixed)]
-    else:  # gemma3: a base model, so ShareGPT's first user turns as plain text to continue, no chat template;
-        # bfloat16 hidden states (its residual stream passes float16's range); no committed answers, so the
-        # held-out set is the model's own answers to the first GEMMA_EVAL records, the others come after them
-        base = "gemma3"
-        md = py + ["train.make_data", "--base", base, "--data", "sharegpt", "--max-len", "2048",
-                   "--store-hidden", "bfloat16", "--store-features", "--batch-size", "32", "--buckets", "512,1024"]
-        own = ["--max-new-tokens", "256"]
-        evals = md + own + ["--limit", str(GEMMA_EVAL), "--out", str(d / "eval")]
-        selfs = md + own + ["--first", str(GEMMA_EVAL), "--limit", str(args.self_records), "--out", str(d / "self")]
-        fixed = [md + ["--mode", "fixed", "--first", str(GEMMA_EVAL + args.self_records + k * args.fixed_records),
+    else:  # smollm2, chat prompts with its committed answers; gemma3, a base model: ShareGPT's first user turns
+        # as plain text to continue, bfloat16 hidden states (its residual stream passes float16's range), and no
+        # committed answers, so its held-out set is its own answers to the first GEMMA_EVAL records, the others after
+        chat = args.model == "smollm2"
+        first = 0 if chat else GEMMA_EVAL
+        base = args.model
+        md = py + ["train.make_data", "--base", base, "--data", "sharegpt", *(["--chat"] if chat else []),
+                   "--max-len", "2048", "--store-hidden", "float16" if chat else "bfloat16", "--store-features",
+                   "--batch-size", "32", "--buckets", "512,1024"]
+        answers = ["--answers", str(REPO / "models" / "smollm2" / "distill")] if chat else []
+        own = ["--max-new-tokens", "256", *answers]
+        evals = md + own + ["--limit", str(640 if chat else GEMMA_EVAL), "--out", str(d / "eval")]
+        selfs = md + own + (["--first", str(first)] if first else []) + ["--limit", str(args.self_records),
+                                                                         "--out", str(d / "self")]
+        fixed = [md + ["--mode", "fixed", "--first", str(first + args.self_records + k * args.fixed_records),
                        "--limit", str(args.fixed_records), "--out", str(d / f"fixed{k}")] for k in range(args.fixed)]
     merge = py + ["train.merge_data", str(d / "self"), *[str(d / f"fixed{k}") for k in range(args.fixed)],
                   "--out", str(d / "joined")]

@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", required=True, metavar="DIR",
                    help="heads directory written by train.train, or a published drafter as infer.generate's --heads "
                         "reads it (a folder or Hub id: SpecForge/SGLang, speculators or EAGLE authors' EAGLE-3, "
-                        "Medusa-1, EAGLE-1), measured with train.train's default settings")
+                        "Medusa-1), measured with train.train's default settings")
     p.add_argument("--base", required=True, metavar="DIR|NAME",
                    help="the base model the heads were trained for (a checkpoint directory, or smollm2)")
     p.add_argument("--data", required=True, metavar="DIR", help="dataset directory written by train.make_data")
