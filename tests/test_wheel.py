@@ -62,11 +62,12 @@ def test_the_wheel_carries_the_shipped_models_and_heads_and_not_the_distillation
     # Every file of the checkout's shipped folders, and nothing of smollm2's training data.
     repo_models = REPO / "models"
     shipped = [*(repo_models / "reference").rglob("*"), *(repo_models / "smollm2" / "heads").rglob("*"),
-               repo_models / "smollm2" / "README.md"]
+               repo_models / "smollm2" / "README.md", *(repo_models / "gemma3").glob("*"),
+               *(repo_models / "gemma3" / "heads").rglob("*")]
     for f in shipped:
         if f.is_file():
             assert f"{SHIPPED}/{f.relative_to(repo_models).as_posix()}" in names, f
-    assert (repo_models / "smollm2" / "distill").is_dir()  # there to be left out
+    assert (repo_models / "smollm2" / "distill").is_dir() and (repo_models / "gemma3" / "distill").is_dir()  # left out
     assert not [n for n in names if "distill" in n or n.startswith("models/")]
 
 
