@@ -2,8 +2,8 @@
 call sends, for the length of a lease, and back.
 
 The device tool sends the checkout's tracked and untracked-not-ignored files, 64 MiB a call with the
-carried parts; models/reference (47 MB) and models/smollm2/heads (64 MB) alone are more, and a check
-needs neither from the tree (the heads travel as a staged part). `out` renames them into .device-aside/
+carried parts; models/reference (47 MB), models/smollm2/heads (64 MB) and models/gemma3/heads (60 MB)
+alone are more, and a check needs none of them from the tree (the heads travel as a staged part). `out` renames them into .device-aside/
 (ignored, so it does not travel), `back` renames them back. Each folder moves by one rename on the same
 file system, so an interrupted run leaves every folder either in its place or in .device-aside, never
 half moved, and `back` (or `out`) run again finishes the job. While they are aside, `git status` shows
@@ -19,7 +19,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 ASIDE = REPO / ".device-aside"
-FOLDERS = ("models/reference", "models/smollm2/heads")
+FOLDERS = ("models/reference", "models/smollm2/heads", "models/gemma3/heads")
 
 
 def exclude(pattern: str, repo: Path = REPO) -> None:
