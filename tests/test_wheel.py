@@ -59,7 +59,7 @@ def test_the_wheel_carries_the_shipped_models_and_heads_and_not_the_distillation
         for method in registry.BUILT_IN:
             for f in ["heads.json", "heads.safetensors", "token_counts.safetensors"]:
                 assert f"{SHIPPED}/{model}/heads/{method}/{f}" in names, (model, method, f)
-    # Every file of the checkout's shipped folders, and nothing of smollm2's training data.
+    # Every file of the checkout's shipped folders, and nothing of either model's distillation data.
     repo_models = REPO / "models"
     shipped = [*(repo_models / "reference").rglob("*"), *(repo_models / "smollm2" / "heads").rglob("*"),
                repo_models / "smollm2" / "README.md", *(repo_models / "gemma3").glob("*"),
