@@ -27,7 +27,7 @@ from clover_jax.errors import CloverError
 from clover_jax.drafters.heads import Heads, HeadsConfig, make_heads
 from clover_jax.model.llama import Llama
 from clover_jax.engine.sampling import SamplingConfig
-from clover_jax.engine.pacing import PROBE_EVERY
+from clover_jax.engine.pacing import MAX_WAIT, PROBE_EVERY, Pace, Paced, speculate_now
 from clover_jax.engine.speculative import SpeculativeGenerator, accept_greedy, accept_sample, compact
 from clover_jax.trees.dynamic import DynamicTree
 from clover_jax.trees.static import Tree, chain
@@ -371,10 +371,50 @@ def test_oracle_on_dynamic_trees(ref, fresh, oracle, oracle_dynamic):
     assert mean_accepted["eagle2:9"] > mean_accepted["dynamic:9"] > 0.3, mean_accepted
 
 
+def probe_steps(num_steps: int) -> list[int]:
+    """The steps (counted from 0) that draft in a paced loop of `num_steps` whose drafts are never
+    accepted: the first, then a probe after PROBE_EVERY plain steps, after twice as many following each
+    failed probe, at most MAX_WAIT."""
+    steps, wait = [0], PROBE_EVERY
+    while steps[-1] + wait + 1 < num_steps:
+        steps.append(steps[-1] + wait + 1)
+        wait = min(2 * wait, MAX_WAIT)
+    return steps
+
+
+def test_failed_probes_wait_longer_and_drafts_that_pay_bring_them_back():
+    """The pacing rule alone, step by step: drafts never accepted are probed after 8, 16, 32, 64, 64, ...
+    plain steps; once a probe's drafts pay the loop drafts at every step, and when they stop paying the
+    next probe comes after 8 plain steps again."""
+    pacer = Paced(2.0, None, None, sampling=SamplingConfig(), cache_len=8)
+    pace = Pace(gain=jnp.float32(1.0), idle=jnp.int32(0), wait=jnp.int32(PROBE_EVERY),
+                plain_steps=jnp.zeros((1,), jnp.int32), pending=None, pending_n=jnp.zeros((1,), jnp.int32))
+    live = jnp.ones((1,), bool)
+
+    def run(pace, accepted: int, num_steps: int):
+        drafted = []
+        for k in range(num_steps):
+            if bool(speculate_now(pace, pacer.step_cost)):
+                drafted.append(k)
+                pace = pacer.update(pace, jnp.full((1,), accepted), live)
+            else:
+                pace = pace.replace(idle=pace.idle + 1)
+        return pace, drafted
+
+    pace, drafted = run(pace, 0, 300)
+    assert drafted == probe_steps(300) == [0, 9, 26, 59, 124, 189, 254]
+    pace, drafted = run(pace, 4, 80)  # the next probe (MAX_WAIT after the last) pays, and every step after
+    assert drafted == list(range(19, 80)) and int(pace.wait) == PROBE_EVERY
+    pace, drafted = run(pace, 0, 30)  # the running mean falls short after 5 steps; a probe after 8 plain ones
+    assert drafted == [0, 1, 2, 3, 4, 13] and int(pace.wait) == 2 * PROBE_EVERY
+
+
 def test_pacing_drafts_only_while_drafts_pay(ref, fresh, oracle):
-    """With a step cost, drafts that are never accepted send the loop to plain steps, with one
-    speculative step after every PROBE_EVERY plain ones; drafts that are accepted keep it drafting. The
-    tokens are plain greedy's either way, and the caches hold exactly the committed tokens."""
+    """With a step cost, drafts that are never accepted send the loop to plain steps, with probes after
+    PROBE_EVERY plain steps and twice as many after each failed one (`probe_steps`): the second run of
+    plain steps outlasts the PROBE_EVERY rows plain steps keep for the drafter, which gets them in two
+    commits. Drafts that are accepted keep it drafting. The tokens are plain greedy's either way, and
+    the caches hold exactly the committed tokens."""
     heads, _ = oracle
     gen = SpeculativeGenerator(ref.base, heads, resolve_tree("widths:2,2,2,2", "clover", 4), step_cost=1.5)
     nxt, v = bigram(ref), ref.base.cfg.vocab_size
@@ -382,9 +422,10 @@ def test_pacing_drafts_only_while_drafts_pay(ref, fresh, oracle):
     heads.set_tables([wrong(t, nxt, v, 1) for t in range(v)], [wrong(t, nxt, v, 2) for t in range(v)], noise)
     out = gen.generate(PROMPTS, MAX_NEW)
     check_run(out, ref.full, PROMPTS, [MAX_NEW] * 4, ref, fresh, gen)
-    # The prefill writes the first token, then 19 one-token steps: drafting at the first, it accepts
-    # nothing, so plain steps follow, and a probe after every PROBE_EVERY of them.
-    spec_steps = [0] + [k for k in range(1, MAX_NEW) if k % (PROBE_EVERY + 1) == 0]
+    # The prefill writes the first token, then one-token steps: drafting at the first, it accepts
+    # nothing, so plain steps follow, with a probe after PROBE_EVERY of them (which fails: 16 more).
+    spec_steps = probe_steps(MAX_NEW)
+    assert spec_steps == [0, PROBE_EVERY + 1]
     longest = int(np.argmax([len(t) for t in out.tokens]))
     assert out.accept_hist[longest].sum() == out.accept_hist[longest, 0] == len(spec_steps)
     assert int(out.state.plain_steps[longest]) == MAX_NEW - 1 - len(spec_steps)

@@ -4,10 +4,12 @@ Where a speculative step costs more than a plain one (a CPU, where each verified
 drafting pays only while enough drafts are accepted. Given that cost (`step_cost`, in plain steps), the
 loop keeps a running mean of the drafts accepted per speculative step and takes a plain step (the root
 alone: one row, no drafting) whenever 1 + that mean falls short of the cost, with a speculative step
-every PROBE_EVERY plain steps to see whether drafts pay again. The choice depends only on earlier
-steps, so each step's token keeps plain decoding's distribution either way. A plain step costs what
-plain decoding's does: what it commits waits (`Pace.pending`) and reaches the drafter in one `commit`
-before the next speculative step.
+(a probe) after PROBE_EVERY plain steps to see whether drafts pay again. Each probe that does not pay
+doubles the plain steps before the next, up to MAX_WAIT; a speculative step that pays brings them back
+to PROBE_EVERY. The choice depends only on earlier steps, so each step's token keeps plain decoding's
+distribution either way. A plain step costs what plain decoding's does: what it commits waits
+(`Pace.pending`, PROBE_EVERY rows) and reaches the drafter in one `commit` every PROBE_EVERY plain
+steps and at the end of each run of them.
 
 The speculative loop (`speculative.generate_speculative`) sees a pacer through three calls: `start`
 (its state, `Pace`, or None), `update` (after each speculative step, with the drafts it accepted) and
@@ -30,11 +32,14 @@ from clover_jax.engine.sampling import BONUS, SamplingConfig, sample, step_keys,
 from clover_jax.model.cache import causal_mask
 from clover_jax.model.llama import Llama
 
-# The running mean's weight on the newest speculative step, and the longest run of plain steps before
-# one speculative step probes whether drafts pay again. A probe that does not pay costs (step_cost - 1)
-# plain steps, so one in 8 costs under 5% where nothing is accepted.
+# The running mean's weight on the newest speculative step; the plain steps before the first probe of a
+# run of them, and the most they double to while probes keep failing. A probe that does not pay costs
+# (step_cost - 1) plain steps, and a CPU's chain step costs 1.3-5.5 plain steps (`plan.auto`): where
+# nothing is accepted (sampling with weak heads), one probe in 9 costs 3-50% of plain decoding's time,
+# one in 65 0.5-7%, while a lull in drafts that pay (greedy) still ends within 8 plain steps.
 GAIN_WEIGHT = 0.25
 PROBE_EVERY = 8
+MAX_WAIT = 64
 
 
 @flax.struct.dataclass
@@ -43,6 +48,7 @@ class Pace:
 
     gain: jax.Array  # [] running mean of drafted tokens accepted per speculative step
     idle: jax.Array  # [] plain steps since the last speculative one
+    wait: jax.Array  # [] plain steps before the next probe: PROBE_EVERY, doubled by each failed probe
     plain_steps: jax.Array  # [B] steps a sequence took without drafting
     pending: Committed  # [B, PROBE_EVERY, ...] what plain steps committed since the last speculative step
     pending_n: jax.Array  # [B] how many of those each sequence holds
@@ -50,8 +56,8 @@ class Pace:
 
 def speculate_now(pace: Pace, step_cost: float) -> jax.Array:
     """Whether the next step of a paced loop drafts: while the drafts' recent acceptance pays for the
-    step cost, or to probe after PROBE_EVERY plain steps."""
-    return (1.0 + pace.gain >= step_cost) | (pace.idle >= PROBE_EVERY)
+    step cost, or to probe after `pace.wait` plain steps."""
+    return (1.0 + pace.gain >= step_cost) | (pace.idle >= pace.wait)
 
 
 class Unpaced:
@@ -94,15 +100,21 @@ class Paced:
         b = like.tokens.shape[0]
         slots = lambda x: None if x is None else jnp.zeros((b, PROBE_EVERY, *x.shape[2:]), x.dtype)
         return Pace(gain=jnp.asarray(self.step_cost - 1.0, jnp.float32), idle=jnp.zeros((), jnp.int32),
+                    wait=jnp.asarray(PROBE_EVERY, jnp.int32),
                     plain_steps=jnp.zeros((b,), jnp.int32),
                     pending=Committed(slots(like.hidden), slots(like.hidden_normed), slots(like.tokens),
                                       slots(like.features)),
                     pending_n=jnp.zeros((b,), jnp.int32))
 
     def update(self, pace: Pace, accepted: jax.Array, live: jax.Array) -> Pace:
-        """After a speculative step that accepted `accepted` [B] drafts in the `live` [B] sequences."""
+        """After a speculative step that accepted `accepted` [B] drafts in the `live` [B] sequences: a
+        step after plain ones was a probe, and if drafting does not pay still, the next waits twice as long."""
         mean = jnp.sum(jnp.where(live, accepted, 0)) / jnp.maximum(jnp.sum(live), 1)
-        return pace.replace(gain=(1 - GAIN_WEIGHT) * pace.gain + GAIN_WEIGHT * mean, idle=jnp.zeros((), jnp.int32))
+        gain = (1 - GAIN_WEIGHT) * pace.gain + GAIN_WEIGHT * mean
+        failed_probe = pace.idle > 0
+        wait = jnp.where(1.0 + gain >= self.step_cost, PROBE_EVERY,
+                         jnp.where(failed_probe, jnp.minimum(2 * pace.wait, MAX_WAIT), pace.wait))
+        return pace.replace(gain=gain, idle=jnp.zeros((), jnp.int32), wait=wait.astype(jnp.int32))
 
     def plain_step(self, s, advance: Callable):
         """The root alone through the base model, a plain decoding step; what it commits waits in
@@ -124,7 +136,7 @@ class Paced:
         return advance(s, out.cache, bonus, bonus[:, None], jnp.ones((b,), jnp.int32), out.logits[:, 0])
 
     def flush(self, s):
-        """Hand the drafter what plain steps committed since the last speculative step, in one commit."""
+        """Hand the drafter what plain steps committed since the last flush, in one commit."""
         n = s.pace.pending_n
         return s.replace(draft=self.drafter.commit(self.base, s.draft, s.pace.pending, n, n > 0),
                          pace=s.pace.replace(pending_n=jnp.zeros_like(n)))
@@ -132,14 +144,15 @@ class Paced:
     def loop(self, cond: Callable, speculative_step: Callable, advance: Callable, state):
         """Runs of speculative steps and runs of plain steps, each a loop of its own. (A `lax.cond`
         between the two steps made XLA copy the whole KV cache in and out of the branch at every step.)
-        At most PROBE_EVERY plain steps pass between two speculative ones, so `pending` holds them all."""
+        A run of plain steps goes PROBE_EVERY steps at a time, each piece flushed, so `pending` holds
+        them all and the drafter has every token before the next speculative step."""
         plain_step = lambda s: self.plain_step(s, advance)
-
-        def run(drafting: bool):
-            keep = lambda s: cond(s) & (speculate_now(s.pace, self.step_cost) == drafting)
-            return lambda s: chunked(keep, speculative_step if drafting else plain_step, s, self.chunk)
-
-        return self.flush(jax.lax.while_loop(cond, lambda s: run(False)(run(True)(self.flush(s))), state))
+        keep = lambda drafting: lambda s: cond(s) & (speculate_now(s.pace, self.step_cost) == drafting)
+        room = lambda s: keep(False)(s) & (jnp.max(s.pace.pending_n) < PROBE_EVERY)
+        drafting = lambda s: chunked(keep(True), speculative_step, s, self.chunk)
+        piece = lambda s: self.flush(chunked(room, plain_step, s, self.chunk))
+        plain = lambda s: jax.lax.while_loop(keep(False), piece, s)
+        return jax.lax.while_loop(cond, lambda s: plain(drafting(s)), state)
 
 
 def pacer(step_cost: float | None, base: Llama, drafter: Drafter, *, sampling: SamplingConfig,
