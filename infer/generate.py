@@ -103,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-cost", default="auto", metavar="C",
                    help="pace the drafting by what a speculative step costs, in plain steps: while the drafts "
                         "accepted lately (a running mean) do not pay for C, take plain steps (no drafting), with a "
-                        "speculative step after every 8 to see whether drafts pay again; the text is the same "
+                        "speculative step after 8 to see whether drafts pay again (after 16, 32, up to 64 while they "
+                        "do not); the text is the same "
                         "(greedy) or keeps its distribution (sampling). auto: on a CPU, what a step of the chain "
                         "--tree auto picks costs there, timed on this machine the first time (a plain step and chain "
                         "steps, greedy or sampling: a minute or two for SmolLM2) and kept in step-costs.json in the cache folder "
