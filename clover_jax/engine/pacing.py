@@ -50,7 +50,7 @@ class Pace:
     idle: jax.Array  # [] plain steps since the last speculative one
     wait: jax.Array  # [] plain steps before the next probe: PROBE_EVERY, doubled by each failed probe
     plain_steps: jax.Array  # [B] steps a sequence took without drafting
-    pending: Committed  # [B, PROBE_EVERY, ...] what plain steps committed since the last speculative step
+    pending: Committed  # [B, PROBE_EVERY, ...] what plain steps committed since the last flush
     pending_n: jax.Array  # [B] how many of those each sequence holds
 
 
