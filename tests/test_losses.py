@@ -66,6 +66,19 @@ def test_elementwise_losses_and_weights():
         np.testing.assert_array_equal(shared.target_mask(mask, k)[0], want)
 
 
+def test_shifted_stacks_every_steps_shift_in_one_gather():
+    """Entry k of `shifted` is `shift_left(x, k + 1)`: x at t + 1 + k, zeros past the end, for arrays with
+    and without trailing axes (the base distribution [B, T, V], a mask [B, T])."""
+    rng = np.random.default_rng(4)
+    for x in (rng.normal(size=(2, 6, 3)).astype(np.float32), rng.integers(0, 9, (3, 5)).astype(np.int32)):
+        got = np.asarray(shared.shifted(jnp.asarray(x), 4))
+        assert got.shape == (4,) + x.shape and got.dtype == x.dtype
+        for k in range(4):
+            for t in range(x.shape[1]):
+                want = x[:, t + 1 + k] if t + 1 + k < x.shape[1] else np.zeros_like(x[:, 0])
+                np.testing.assert_array_equal(got[k, :, t], want)
+
+
 def test_cross_entropy_loss_by_hand():
     c = _case()
     k_heads, b_size, t_len, _ = c["head_logits"].shape

@@ -14,7 +14,7 @@ from flax import nnx
 
 from clover_jax.drafters.base import DraftIds
 from clover_jax.drafters.draft_model import NO_LOGIT, DraftLayer, EagleDrafter, check_switches, layer_config
-from clover_jax.drafters.losses import base_distribution, masked_mean, shift_left, soft_cross_entropy, targets_and_masks
+from clover_jax.drafters.losses import base_distribution, masked_mean, shifted, soft_cross_entropy, targets_and_masks
 from clover_jax.drafters.vocab import DraftVocab
 from clover_jax.errors import CloverError
 from clover_jax.model.layers import Linear, RMSNorm
@@ -135,9 +135,6 @@ def eagle3_loss(head_hidden, head_logits, base_normed, base_logits, tokens, loss
     in_vocab = head_logits[0, :1, :1] > -1e8  # [1, 1, V]: the draft vocabulary
     p_base = base_distribution(jnp.where(in_vocab, base_logits, -1e9))
     base_drafted = jnp.take(in_vocab[0, 0], jnp.argmax(base_logits, -1)).astype(jnp.float32)  # [B, T]
-    per_head = []
-    for k in range(k_heads):
-        p_target, drafted = shift_left(p_base, k + 1), shift_left(base_drafted, k + 1)
-        per_head.append(masked_mean(soft_cross_entropy(head_logits[k], p_target), masks[k] * drafted))
-    per_head = jnp.stack(per_head)
+    ce = soft_cross_entropy(head_logits, shifted(p_base, k_heads))  # [K, B, T]
+    per_head = jax.vmap(masked_mean)(ce, masks * shifted(base_drafted, k_heads))
     return jnp.sum(EAGLE3_DECAY ** jnp.arange(k_heads, dtype=jnp.float32) * per_head), per_head, masks, targets
