@@ -138,3 +138,25 @@ def test_the_gemma3_training_lease_parses_and_keeps_its_sets_apart(tmp_path):
         assert (t.draft_vocab if m == "eagle3" else t.loss_vocab) == 32768
     with pytest.raises(SystemExit, match="training lease only"):
         pack.lease_items(tmp_path, 10, {"check", "train"}, "gemma3")
+
+
+def test_a_lease_with_no_fixed_set_trains_on_the_models_own_answers(tmp_path):
+    """`--self 384 --fixed 0 --steps 1000 --batch 4`, SmolLM2's EAGLE-3 round 2 on a lease: the first 384
+    self-distilled records are the training data as they are (nothing to merge), held out on the same
+    yardstick as every other lease."""
+    from device import train as lease
+    from train.make_data import build_parser as data_parser
+    from train.train import build_parser as train_parser
+
+    args = lease.build_parser().parse_args(["--methods", "eagle3", "--self", "384", "--fixed", "0",
+                                            "--steps", "1000", "--batch", "4"])
+    for k, v in dict(fixed_records=800, seq_len=512, eval_every=400, vocab=8192).items():
+        setattr(args, k, v)
+    cmd = lease.commands(args, tmp_path)
+    assert cmd["merge"] is None and cmd["fixed"] == []
+    own = data_parser().parse_args(cmd["self"][3:])
+    assert (own.base, own.chat, own.first, own.limit, own.store_features) == ("smollm2", True, 0, 384, True)
+    t = train_parser().parse_args(cmd["train"]["eagle3"][3:])
+    assert (t.method, t.data, t.steps, t.batch_size, t.seq_len, t.draft_vocab) == \
+        ("eagle3", str(tmp_path / "data" / "self"), 1000, 4, 512, 8192)
+    assert t.eval_data == str(tmp_path / "data" / "eval")
