@@ -122,8 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=",".join(METHODS), help="methods to train (default: all five)")
     p.add_argument("--self", dest="self_records", type=int, default=None,
                    help="ShareGPT records answered by the model itself, the committed answers (default: 1570; dry 8)")
-    p.add_argument("--fixed", type=int, default=2, help="sets of ShareGPT's own replies (default: 2; dry 1); 0 trains on the model's own "
-                        "answers alone, as SmolLM2's EAGLE-3 of round 2 (--self 384 --fixed 0 --steps 1000 --batch 4)")
+    p.add_argument("--fixed", type=int, default=2,
+                   help="sets of ShareGPT's own replies (default: 2; dry 1); 0 trains on the model's own answers "
+                        "alone, as SmolLM2's EAGLE-3 of round 2 (--self 384 --fixed 0 --steps 1000 --batch 4)")
     p.add_argument("--fixed-records", type=int, default=None, help="records per fixed set (default: 800; dry 6)")
     p.add_argument("--steps", type=int, default=None, help="training steps of each method (default: 4000; dry 4)")
     p.add_argument("--batch", type=int, default=None, help="windows a step (default: 8; dry 2)")
@@ -166,13 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         for name, *_ in jobs:
             print(tail(logs / f"{name}.log", 3))
         return 1
-    if cmd["merge"] is None:
-        clock.say("data made: " + tail(logs / "data-self.log", 1))
-    elif run_one("merge", cmd["merge"], env, logs / "merge.log", deadline - clock.elapsed(), clock) != 0:
+    if cmd["merge"] is not None and run_one("merge", cmd["merge"], env, logs / "merge.log",
+                                            deadline - clock.elapsed(), clock) != 0:
         print(tail(logs / "merge.log", 5))
         return 1
-    else:
-        clock.say("data made: " + tail(logs / "merge.log", 1))
+    clock.say("data made: " + tail(logs / ("merge.log" if cmd["merge"] else "data-self.log"), 1))
     jobs = [(f"train-{m}", c, env, logs / f"train-{m}.log") for m, c in cmd["train"].items()]
     status = run_jobs(jobs, len(jobs), deadline, clock)
     runs = [str(work / "runs" / m) for m in cmd["train"] if (work / "runs" / m / "metrics.jsonl").is_file()]
