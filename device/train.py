@@ -81,12 +81,12 @@ def commands(args, work: Path) -> dict[str, list]:
     # With no fixed set the model's own answers are the training data as they are: nothing to merge.
     merge = py + ["train.merge_data", str(d / "self"), *[str(d / f"fixed{k}") for k in range(args.fixed)],
                   "--out", str(d / "joined")] if args.fixed else None
-    joined = d / ("joined" if args.fixed else "self")
+    training_data = d / ("joined" if args.fixed else "self")
     steps = str(args.steps)
     train = {}
     for m in args.methods.split(","):
         vocab = ["--draft-vocab", str(args.vocab)] if m == "eagle3" else ["--loss-vocab", str(args.vocab)]
-        train[m] = py + ["train.train", "--method", m, "--base", base, "--data", str(joined),
+        train[m] = py + ["train.train", "--method", m, "--base", base, "--data", str(training_data),
                          "--eval-data", str(d / "eval"), "--counts-from", str(d / "self"), "--steps", steps,
                          "--batch-size", str(args.batch), "--seq-len", str(args.seq_len), "--warmup", "50",
                          "--dtype", "bfloat16", "--export-dtype", "bfloat16", "--eval-every", str(args.eval_every),
@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, with the sizes left out filled in: the dry run's, or a lease's for --model."""
     args = build_parser().parse_args(argv)
     dry = dict(self_records=8, fixed_records=6, steps=4, batch=2, seq_len=64, eval_every=2, vocab=256)
     real = dict(self_records=1570, fixed_records=800, steps=4000, batch=8, seq_len=512, eval_every=400, vocab=8192)
@@ -146,6 +147,11 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, k, v)
     if args.dry and args.fixed == 2:
         args.fixed = 1
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     out = out_dir(args.out)
     out.mkdir(parents=True, exist_ok=True)
     clock = Clock(args.budget_s or (600.0 if args.dry else 450.0))

@@ -120,10 +120,9 @@ def test_the_gemma3_training_lease_parses_and_keeps_its_sets_apart(tmp_path):
     from train.make_data import build_parser as data_parser
     from train.train import build_parser as train_parser
 
-    args = lease.build_parser().parse_args(["--model", "gemma3"])
-    real = dict(self_records=1570, fixed_records=800, steps=4000, batch=8, seq_len=512, eval_every=400, vocab=32768)
-    for k, v in real.items():
-        setattr(args, k, v)
+    args = lease.parse_args(["--model", "gemma3"])
+    assert (args.self_records, args.fixed_records, args.steps, args.batch, args.seq_len, args.vocab) == \
+        (1570, 800, 4000, 8, 512, 32768)
     cmd = lease.commands(args, tmp_path)
     sets = [cmd["eval"], cmd["self"], *cmd["fixed"]]
     spans = []
@@ -148,10 +147,7 @@ def test_a_lease_with_no_fixed_set_trains_on_the_models_own_answers(tmp_path):
     from train.make_data import build_parser as data_parser
     from train.train import build_parser as train_parser
 
-    args = lease.build_parser().parse_args(["--methods", "eagle3", "--self", "384", "--fixed", "0",
-                                            "--steps", "1000", "--batch", "4"])
-    for k, v in dict(fixed_records=800, seq_len=512, eval_every=400, vocab=8192).items():
-        setattr(args, k, v)
+    args = lease.parse_args(["--methods", "eagle3", "--self", "384", "--fixed", "0", "--steps", "1000", "--batch", "4"])
     cmd = lease.commands(args, tmp_path)
     assert cmd["merge"] is None and cmd["fixed"] == []
     own = data_parser().parse_args(cmd["self"][3:])
