@@ -2,12 +2,15 @@
 
 Each family is built once per session (seeded, float32) with its weights re-drawn at a scale that
 gives logits of order one, norm weights away from one and non-zero q/k/v biases, so a parity test
-at 1e-4 cannot pass by accident on near-zero activations or untouched defaults.
+at 1e-4 cannot pass by accident on near-zero activations or untouched defaults. The tools' tests share
+one tiny Llama with the repository's tokenizer (`model_dir`), what the library generates from it
+(`library`) and its head-training data sets (`datasets`), each made once per session and only read.
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import math
 import os
 import re
@@ -37,7 +40,9 @@ from clover_jax.engine.decode import Generator
 from clover_jax.engine.drafting import draft_tree
 from clover_jax.drafters.heads import Heads, HeadsConfig, HeadsState
 from clover_jax.engine.sampling import SamplingConfig
+from train import make_data
 from train import tokenizer as tokenizer_lib
+from train.data import HeadDataset
 
 # The tools keep compiled programs in the user's cache folder by default (--compile-cache); the suite
 # writes none there: the test of the cache gives it a folder of its own.
@@ -269,6 +274,65 @@ def tiny_llama_checkpoint(out, seed: int = 0, **config):
     tok = tiny_tokenizer()
     tokenizer_lib.save_tokenizer(tok, out)
     return save_tiny_llama(out, tok.get_vocab_size(), seed, **config)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """One `tiny_llama_checkpoint` for the session; tests read it and write their own files elsewhere."""
+    return tiny_llama_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def hf_tok(model_dir):
+    """`model_dir`'s tokenizer as the tools load it."""
+    import cli
+
+    return cli.load_tokenizer(model_dir)
+
+
+# New tokens per prompt in the command-line tests, so most of them share one compiled shape.
+CLI_NEW = 6
+
+
+@pytest.fixture(scope="session")
+def library(model_dir):
+    """(prompt ids, sampling, seed) -> CLI_NEW new tokens of each prompt, generated from `model_dir` by
+    the library directly (what the tools must print)."""
+    gen = Generator(load_pretrained(model_dir)[1])
+
+    def run(prompts, sampling=SamplingConfig(), seed=0):
+        return gen.generate(prompts, CLI_NEW, sampling=sampling, seed=seed, eos_ids=(0,)).tokens
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def other_base(tmp_path_factory):
+    """A second tiny model with `model_dir`'s tokenizer and shapes but other weights."""
+    return tiny_llama_checkpoint(tmp_path_factory.mktemp("other-llama"), seed=1)
+
+
+# What the head-training tests train on: short and long code answers (some longer than a 32-token window).
+HEAD_RECORDS = [{"prompt": p, "response": r * n} for n in (1, 2, 3)
+                for p, r in [("def add(a, b):", "\n    return a + b\n"), ("class Point:", "\n    def __init__(self, x):\n"),
+                             ("import os", "\nprint(os.getcwd())\n"), ("for i in", " range(10):\n    print(i)\n")]]
+
+
+@pytest.fixture(scope="session")
+def datasets(model_dir, tmp_path_factory):
+    """{"plain": `train.make_data`'s fixed-mode data set of HEAD_RECORDS on `model_dir`, no hidden states;
+    "hidden": the same with float16 hidden states}."""
+    prompts = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in HEAD_RECORDS))
+    out = {}
+    for name, extra in (("plain", []), ("hidden", ["--store-hidden=float16"])):
+        out[name] = tmp_path_factory.mktemp(f"data-{name}")
+        assert make_data.main([f"--base={model_dir}", f"--prompts={prompts}", f"--out={out[name]}", "--mode=fixed",
+                               "--batch-size=4", *extra]) == 0
+    plain, hidden = HeadDataset(out["plain"]), HeadDataset(out["hidden"])
+    assert plain.hidden is None and hidden.hidden.dtype == np.float16
+    assert max(plain.lengths) > 32  # some examples are longer than the training window
+    return out
 
 
 def hf_logits(model: torch.nn.Module, tokens) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Run by tests/test_train.py in a fresh process with 8 virtual CPU devices: the same Clover-2 head
+"""Run by tests/test_sharding.py in a fresh process with 8 virtual CPU devices: the same Clover-2 head
 training on one device, on a data=4,model=2 mesh, and stopped on that mesh then resumed on
 data=2,fsdp=2,model=2; then the same training data (fixed and self-distilled, with hidden states)
 made on one device and on a data=4,model=2 mesh. Args: model_dir data_dir out_root prompts_file."""

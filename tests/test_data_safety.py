@@ -29,7 +29,6 @@ from clover_jax.io.hf import load_pretrained
 from clover_jax.plan import factory
 from clover_jax.trees.spec import resolve_tree
 from clover_jax.trees.static import Tree
-from conftest import tiny_llama_checkpoint
 from train import data, evaluate, hidden_states, make_data, train
 from train.data import HeadDataset, staging_dir
 
@@ -37,11 +36,6 @@ RECORDS = [{"prompt": "def add(a, b):", "response": "\n    return a + b\n"},
            {"prompt": "class Point:", "response": "\n    def __init__(self, x):\n        self.x = x\n"},
            {"prompt": "import os", "response": "\nprint(os.getcwd())"}]
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_llama_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="module")

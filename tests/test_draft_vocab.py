@@ -152,3 +152,9 @@ def test_damaged_counts_are_one_line(damage, message, base, tmp_path):
     with pytest.raises(CloverError, match=message) as err:
         load_token_counts(tmp_path, base.cfg.vocab_size)
     assert_one_line(err)
+
+
+def test_index_of_inverts_token():
+    vocab = DraftVocab(ids=jnp.asarray([2, 5, 7], jnp.int32), rows=jnp.zeros((3, 4)))
+    np.testing.assert_array_equal(vocab.index_of(jnp.asarray([[7, 2], [3, 5]]), 9), [[2, 0], [-1, 1]])
+    np.testing.assert_array_equal(vocab.token(vocab.index_of(vocab.ids, 9)), vocab.ids)

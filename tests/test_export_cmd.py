@@ -1,6 +1,7 @@
 """`python -m train.export` and `train.train --export-format`: trained heads written in published drafter
 formats, read back by the format's own loader (`clover_jax.io.formats`) to the same drafts; bad
-requests one line, exit 2, refused before anything is trained or written."""
+requests one line, exit 2, refused before anything is trained or written. `--export-dtype bfloat16`
+stores bfloat16 weights that load for a float32 base."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import contextlib
 import io
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,28 +21,13 @@ from clover_jax.drafters.heads import HeadsConfig, make_heads
 from clover_jax.io.heads_dir import load_heads, save_heads
 from clover_jax.io.hf import load_pretrained
 from clover_jax.model.llama import causal_self_mask
-from conftest import save_tiny_llama, tiny_tokenizer
-from test_train import RECORDS, _argv
-from train import export, make_data, train
-from train import tokenizer as tokenizer_lib
+from test_train import DATA_OF, _argv, _train
+from train import export, train
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny-llama")
-    tok = tiny_tokenizer()
-    tokenizer_lib.save_tokenizer(tok, out)
-    return save_tiny_llama(out, tok.get_vocab_size(), seed=0)
-
-
-@pytest.fixture(scope="module")
-def data(model_dir, tmp_path_factory):
-    prompts = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
-    out = tmp_path_factory.mktemp("data")
-    assert make_data.main([f"--base={model_dir}", f"--prompts={prompts}", f"--out={out}", "--mode=fixed",
-                           "--batch-size=4"]) == 0
-    return out
+def data(datasets):
+    return datasets["plain"]
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +58,25 @@ def _run(tool, capsys, *argv):
     code = tool.main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return code, out, err
+
+
+@pytest.mark.parametrize("method", ["clover2", "eagle3"])
+def test_training_over_a_loss_vocabulary_exports_bfloat16_heads(method, model_dir, datasets, tmp_path, capsys):
+    """--loss-vocab trains and exports; --export-dtype bfloat16 stores every weight in bfloat16 (token
+    ids as they are), and the heads load for a float32 base model."""
+    vocab = ["--loss-vocab", 24] if method == "clover2" else ["--draft-vocab", 24]
+    code, out, err = _train(capsys, model_dir, datasets[DATA_OF[method]], tmp_path / "out", tmp_path / "work",
+                            method, *vocab, "--export-dtype", "bfloat16")
+    assert code == 0, err
+    meta = json.loads((tmp_path / "out" / "heads.json").read_text())
+    assert meta["training"]["export_dtype"] == "bfloat16"
+    stored = load_file(str(tmp_path / "out" / "heads.safetensors"))
+    assert {str(a.dtype) for name, a in stored.items() if not name.endswith("ids")} == {"bfloat16"}
+    assert all(a.dtype == np.int32 for name, a in stored.items() if name.endswith("ids"))
+    heads = load_heads(tmp_path / "out", _base(model_dir), method)
+    weights = [np.asarray(v) for v in jax.tree.leaves(nnx.state(heads, nnx.Param))]
+    assert all(w.dtype == np.float32 and np.array_equal(w, w.astype(jnp.bfloat16).astype(np.float32))
+               for w in weights)
 
 
 def test_train_writes_the_medusa1_export_beside_its_own(trained, model_dir):

@@ -7,7 +7,6 @@ traceback) and uses nothing stale; what was there before stays whole.
 import errno
 import gc
 import json
-import os
 import pathlib
 import signal
 import subprocess
@@ -16,15 +15,15 @@ import time
 
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 import cli
 from clover_jax.engine.decode import Generator
 from clover_jax.errors import CloverError
-from clover_jax.io.hf import load_pretrained
 from infer import benchmark, generate
 from train import evaluate, losses, make_data, runs, train
-from test_train import _argv, _train, datasets, model_dir, tok  # noqa: F401 (fixtures)
+from test_train import _argv, _train
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 REFERENCE = REPO / "models" / "reference"
@@ -212,14 +211,14 @@ def test_nan_logits_score_as_misses():
 # 11.-14. and 16. Training refuses what would export nothing honest.
 
 @pytest.fixture(scope="module")
-def finished(model_dir, datasets, tmp_path_factory):  # noqa: F811 (fixtures of test_train)
+def finished(model_dir, datasets, tmp_path_factory):
     """(out, work) of a finished 6-step Clover run with seed 3."""
     root = tmp_path_factory.mktemp("finished")
     assert train.main(_argv(model_dir, datasets["plain"], root / "out", root / "work", "clover")) == 0
     return root / "out", root / "work"
 
 
-def test_nan_training_stops_in_one_line_and_exports_nothing(model_dir, datasets, tmp_path, capsys):  # noqa: F811
+def test_nan_training_stops_in_one_line_and_exports_nothing(model_dir, datasets, tmp_path, capsys):
     out, work = tmp_path / "out", tmp_path / "work"
     code, stdout, err = _train(capsys, model_dir, datasets["plain"], out, work, "clover", "--lr", "nan")
     assert (code, stdout) == (2, "")
@@ -227,7 +226,7 @@ def test_nan_training_stops_in_one_line_and_exports_nothing(model_dir, datasets,
     assert not out.exists() and not list((work / "checkpoints").glob("[0-9]*"))
 
 
-def test_too_short_a_window_is_refused(model_dir, datasets, tmp_path, capsys):  # noqa: F811
+def test_too_short_a_window_is_refused(model_dir, datasets, tmp_path, capsys):
     """Head k learns the token k + 2 ahead: 2 heads need windows of 4 tokens; --seq-len 1 trained nothing."""
     code, _, err = _train(capsys, model_dir, datasets["plain"], tmp_path / "out", tmp_path / "work", "clover",
                           "--seq-len", 3)
@@ -235,7 +234,7 @@ def test_too_short_a_window_is_refused(model_dir, datasets, tmp_path, capsys):  
     assert not (tmp_path / "out").exists()
 
 
-def test_a_resume_that_cannot_continue_the_run_is_refused(finished, model_dir, datasets, tmp_path, capsys):  # noqa: F811
+def test_a_resume_that_cannot_continue_the_run_is_refused(finished, model_dir, datasets, tmp_path, capsys):
     out, work = finished
     heads = (out / "heads.json").read_bytes()
     code, _, err = _train(capsys, model_dir, datasets["plain"], tmp_path / "o", work, "clover", "--resume",
@@ -247,7 +246,7 @@ def test_a_resume_that_cannot_continue_the_run_is_refused(finished, model_dir, d
     assert not (tmp_path / "o").exists() and (out / "heads.json").read_bytes() == heads
 
 
-def test_evaluate_refuses_a_fit_of_no_tree(finished, model_dir, datasets, capsys):  # noqa: F811
+def test_evaluate_refuses_a_fit_of_no_tree(finished, model_dir, datasets, capsys):
     argv = ["--heads", finished[0], "--base", model_dir, "--data", datasets["plain"], "--fit-tree", 0]
     capsys.readouterr()
     assert evaluate.main([str(a) for a in argv]) == 2
@@ -256,7 +255,7 @@ def test_evaluate_refuses_a_fit_of_no_tree(finished, model_dir, datasets, capsys
 
 @pytest.mark.parametrize("tool", ["train --out", "train --work-dir", "make_data --out", "evaluate --json",
                                   "evaluate --tree-out", "benchmark --json", "benchmark --plot"])
-def test_a_path_that_cannot_be_written_is_refused_before_any_work(tool, finished, model_dir, datasets, tmp_path,  # noqa: F811
+def test_a_path_that_cannot_be_written_is_refused_before_any_work(tool, finished, model_dir, datasets, tmp_path,
                                                                    capsys, monkeypatch):
     """Probed by writing, not by os.access (which says yes to root under /proc), before the base model
     loads, so nothing is trained or timed first; the message names the path given, not a `.tmp` file."""
@@ -281,14 +280,14 @@ def test_a_path_that_cannot_be_written_is_refused_before_any_work(tool, finished
     assert not (tmp_path / "o").exists() and not (tmp_path / "w").exists()
 
 
-def test_a_work_dir_without_room_for_its_checkpoints_is_refused(model_dir, datasets, tmp_path, capsys,  # noqa: F811
+def test_a_work_dir_without_room_for_its_checkpoints_is_refused(model_dir, datasets, tmp_path, capsys,
                                                                monkeypatch):
     monkeypatch.setattr(runs, "disk_usage", lambda path: type("usage", (), {"free": 1000})())
     code, _, err = _train(capsys, model_dir, datasets["plain"], tmp_path / "out", tmp_path / "work", "clover")
     assert code == 2 and "no space left on " in one_error_line(err) and "checkpoints need about" in err
 
 
-def test_a_full_disk_under_orbax_is_one_line(model_dir, datasets, tmp_path, capsys, monkeypatch):  # noqa: F811
+def test_a_full_disk_under_orbax_is_one_line(model_dir, datasets, tmp_path, capsys, monkeypatch):
     """The work dir fills mid-run: orbax's RESOURCE_EXHAUSTED is one line naming --work-dir, and the
     checkpoint before it stays whole (here a save that raises as orbax does, after the first)."""
     saves = []
@@ -319,3 +318,33 @@ def test_an_os_error_names_the_file_asked_for(error, needle, capsys):
 
     assert cli.run_main(body) == 2
     assert needle in one_error_line(capsys.readouterr().err)
+
+
+def test_ctrl_c_asks_once_interrupts_twice_and_an_ignored_sigint_stays_ignored(capsys, ctrl_c):
+    """runs.stop_on_interrupt: the first SIGINT only asks the loop to stop, a second one interrupts, the
+    handler before is put back; where SIGINT is ignored (nohup, a background job) it stays ignored."""
+    before = signal.getsignal(signal.SIGINT)
+    with runs.stop_on_interrupt() as stop:
+        signal.raise_signal(signal.SIGINT)
+        assert stop.is_set() and "stopping after this step" in capsys.readouterr().err
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is before
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with runs.stop_on_interrupt() as stop:
+            signal.raise_signal(signal.SIGINT)
+            assert not stop.is_set()
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_a_checkpoint_of_other_parameters_is_refused_in_one_line(tmp_path):
+    """A work directory checkpointed by another version (here q, k and v apart, where the run has them
+    fused) is refused on resume with one line, not a page of orbax's tree diff."""
+    manager = ocp.CheckpointManager(tmp_path / "checkpoints")
+    manager.save(3, args=ocp.args.StandardSave({"params": {"q_proj": jnp.zeros(4), "k_proj": jnp.zeros(2)}}))
+    manager.wait_until_finished()
+    with pytest.raises(CloverError, match=r"step 3 does not fit this run's parameters .* new work directory") as e:
+        runs.restore_latest(manager, {"params": {"qkv_proj": jnp.zeros(6)}})
+    assert "\n" not in str(e.value)

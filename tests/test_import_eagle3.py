@@ -16,7 +16,6 @@ import json
 import math
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

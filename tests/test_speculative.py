@@ -1,13 +1,12 @@
 """Speculative decoding: greedy speculative output equals plain greedy output token for token for
 every method, tree and batch size (random heads, then an oracle drafter that makes acceptance long);
-greedy acceptance and K/V compaction on hand-built inputs; the cache and statistics a run leaves;
-settings the engine refuses.
+the cache and statistics a run leaves; pacing; settings the engine refuses. Acceptance and compaction
+by hand: tests/test_accept.py; dynamic trees as drafted: tests/test_dynamic_tree.py.
 
 Compiling a speculative program on CPU takes seconds, so each generator is built once per module
 and reused: budgets are runtime arguments, EOS comes from the model config (one static value)."""
 
 import functools
-import itertools
 from collections import Counter
 
 import jax
@@ -17,23 +16,20 @@ import pytest
 from flax import nnx
 
 from clover_jax.drafters import registry
-from clover_jax.model.cache import KVCache
 from clover_jax.model.config import ModelConfig
 from clover_jax.engine.decode import Generator, prefill
 from clover_jax.drafters.vocab import DraftVocab
 from clover_jax.drafters.base import Committed
-from clover_jax.engine.drafting import StepTree
 from clover_jax.errors import CloverError
 from clover_jax.drafters.heads import Heads, HeadsConfig, make_heads
 from clover_jax.model.llama import Llama
 from clover_jax.engine.sampling import SamplingConfig
 from clover_jax.engine.pacing import MAX_WAIT, PROBE_EVERY, Pace, Paced, speculate_now
-from clover_jax.engine.speculative import SpeculativeGenerator, accept_greedy, accept_sample, compact
+from clover_jax.engine.speculative import SpeculativeGenerator
 from clover_jax.trees.dynamic import DynamicTree
 from clover_jax.trees.static import Tree, chain
 from clover_jax.trees.spec import resolve_tree
-from conftest import TableHeads, assert_one_line, draft_with_context
-from eagle2_reference import eagle2_tree
+from conftest import assert_one_line, draft_with_context
 
 PROMPTS = [[1, 7, 8, 9], [1, 3, 4, 22, 23, 24, 25, 60], [1, 2], [9] * 11]
 EOS_ROW = 2  # the prompt whose greedy continuation is cut by EOS mid-way
@@ -439,164 +435,6 @@ def test_pacing_drafts_only_while_drafts_pay(ref, fresh, oracle):
     check_run(out, ref.full, PROMPTS, [MAX_NEW] * 4, ref, fresh, gen)
     assert int(np.asarray(out.state.plain_steps).sum()) == 0
     assert out.steps < max(len(t) for t in ref.full)
-
-
-def reference_dynamic(probs: np.ndarray, root: int, tree: DynamicTree) -> set[tuple[int, ...]]:
-    """The token paths `DynamicTree`'s docstring selects, written out in plain Python (float64); eagle2's
-    are its authors' (`eagle2_reference`), the log-probabilities at depth d those of table d."""
-    if tree.kind == "eagle2":
-        ref = eagle2_tree(lambda path: np.log(probs[len(path) - 1, path[-1]]), root, tree.num_nodes, tree.beam,
-                          tree.max_depth - 1)
-        return {path[1:] for path in ref.paths[1:]}
-    frontier, candidates = [((root,), 0.0)], []
-    for d in range(tree.max_depth):
-        level = []
-        for path, logp in frontier:
-            q = probs[d, path[-1]]
-            order = np.argsort(-q, kind="stable")[: tree.beam]
-            mass = 0.0
-            for t in order:
-                keep = mass < tree.top_p and q[t] >= tree.min_ratio * q[order[0]]
-                mass += q[t]
-                if keep:
-                    level.append((path + (int(t),), logp + np.log(q[t])))
-        frontier = sorted(level, key=lambda c: -c[1])[: tree.beam]
-        candidates += frontier
-    return {path[1:] for path, _ in candidates[: tree.num_nodes - 1]}
-
-
-@pytest.mark.parametrize("kind", ["dynamic", "eagle2"])
-def test_dynamic_tree_matches_a_plain_python_reference(kind):
-    """Per sequence (different roots), the drafted tree holds exactly the reference's paths, within its
-    budget, and its arrays are one consistent tree: parents precede children one depth up, ancestors
-    follow the parents, children are listed by decreasing probability, empty slots are masked."""
-    depth, vocab, n, beam = 3, 12, 9, 3
-    rng = np.random.default_rng(0)
-    table = rng.normal(0, 2.0, (depth, vocab, vocab))
-    heads = TableHeads(ModelConfig.tiny(vocab_size=vocab), table)
-    probs = np.exp(table) / np.exp(table).sum(-1, keepdims=True)
-    tree = DynamicTree(kind, n, depth, beam)
-    roots = np.arange(vocab, dtype=np.int32)
-    tokens, st, draws = jax.jit(draft_with_context, static_argnums=(0, 2))(
-        None, heads, tree, jnp.zeros((vocab, 4)), jnp.asarray(roots))
-    tokens, parents, node_depth, anc, children, valid = map(
-        np.asarray, (tokens, st.parents, st.depth, st.ancestors, st.children, st.valid))
-    assert draws is None  # greedy: children are chosen, not drawn
-    assert tokens.shape == (vocab, n) and valid.sum(1).max() <= n
-    for b, root in enumerate(roots):
-        assert tokens[b, 0] == root and valid[b, 0] and parents[b, 0] == -1
-        paths = set()
-        for i in np.flatnonzero(valid[b])[1:]:
-            p = parents[b, i]
-            assert 0 <= p < i and valid[b, p] and node_depth[b, i] == node_depth[b, p] + 1
-            assert (anc[b, i] == (np.eye(n, dtype=bool)[i] | anc[b, p])).all()
-            chain = np.flatnonzero(anc[b, i])
-            paths.add(tuple(tokens[b, chain[1:]]))
-        assert paths == reference_dynamic(probs, int(root), tree)
-        for i in range(n):
-            kids = [c for c in children[b, i] if c >= 0]
-            assert kids == [c for c in np.flatnonzero(valid[b] & (parents[b] == i))]
-            q = [probs[node_depth[b, i], tokens[b, i], tokens[b, c]] for c in kids]
-            assert q == sorted(q, reverse=True)
-
-
-def test_sampled_dynamic_tree_draws_children_into_a_fixed_shape():
-    """Sampling with Clover's sampler: how many children a node gets is settled before its children are
-    drawn (here the root's, from its sorted probabilities alone), so it is the same under every key;
-    the children themselves are draws without replacement (distinct, varying with the key), and the
-    distribution returned at each node is the one they were drawn from."""
-    depth, vocab = 2, 12
-    table = np.random.default_rng(1).normal(0, 1.0, (depth, vocab, vocab))
-    heads = TableHeads(ModelConfig.tiny(vocab_size=vocab), table)
-    tree = DynamicTree("dynamic", 6, depth, 4)
-    run = jax.jit(draft_with_context, static_argnums=(0, 2, 5))
-    root = jnp.full((64,), 3, jnp.int32)
-    keys = jax.random.key_data(jax.random.split(jax.random.key(0), 64))
-    tokens, st, draws = run(None, heads, tree, jnp.zeros((64, 4)), root, SamplingConfig(temperature=1.0), keys)
-    tokens, children = np.asarray(tokens), np.asarray(st.children)
-    kids = (children[:, 0] >= 0).sum(1)
-    assert (kids == kids[0]).all() and kids[0] >= 1
-    first = [tuple(tokens[b, children[b, 0, : kids[0]]]) for b in range(64)]
-    assert all(len(set(f)) == len(f) for f in first) and len(set(first)) > 1
-    q_root = np.exp(table[0, 3]) / np.exp(table[0, 3]).sum()
-    np.testing.assert_allclose(np.asarray(draws)[:, 0], np.broadcast_to(q_root, (64, vocab)), rtol=1e-5)
-
-
-# ---------------------------------------------------------------- accept and compact by hand
-
-
-def test_accept_greedy_hand_built():
-    """Tree nodes: 0 root, 1 [0], 2 [1], 3 [0, 0], 4 [0, 1], 5 [1, 0]; every row drafts the same
-    tokens and the base model's argmax per node (`target`) decides."""
-    tree = Tree.from_paths([[0], [1], [0, 0], [0, 1], [1, 0]])
-    tokens = jnp.asarray([[7, 3, 4, 1, 2, 6]] * 4, jnp.int32)
-    target = np.array([
-        [4, 2, 6, 0, 0, 9],  # node 2 (rank 1) then node 5; node 4 matches node 1's argmax but node 1 fails
-        [3, 2, 0, 0, 8, 0],  # node 1 then node 4 (rank 1 at depth 2), bonus 8
-        [5, 1, 0, 0, 0, 0],  # nothing: node 3 matches its parent's argmax, the parent does not match
-        [3, 0, 0, 0, 0, 0],  # node 1 only; bonus = node 1's argmax
-    ])  # fmt: skip
-    noise = np.random.default_rng(0).uniform(0, 1, (4, 6, 10))
-    logits = jnp.asarray(noise + 5 * np.eye(10)[target], jnp.float32)
-    best, bonus, path = jax.jit(accept_greedy, static_argnums=3)(StepTree.of(tree), tokens, logits, tree.max_depth)
-    np.testing.assert_array_equal(best, [5, 4, 0, 1])
-    np.testing.assert_array_equal(bonus, [9, 8, 5, 0])
-    np.testing.assert_array_equal(path, [[0, 2, 5], [0, 1, 4], [0, 0, 0], [0, 1, 1]])
-
-
-@pytest.mark.parametrize("mode", ["greedy", "drawn", "chosen"])
-def test_a_subtree_accepts_the_part_of_the_trees_path_it_holds(mode):
-    """`tree.fit_to_hits`'s premise, exactly: on the same step (tokens, base logits, children's draw
-    distributions and random keys), a tree whose nodes' children are rank prefixes of a larger tree's
-    accepts the deepest node of the larger tree's accepted path that it holds; greedy, and sampling with
-    drawn children (`draws`) or chosen ones (point masses)."""
-    big = Tree.from_paths([list(p) for d in (1, 2, 3) for p in itertools.product(range(3), repeat=d)])
-    sub = Tree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]])
-    b, v = 512, 6
-    rng = np.random.default_rng(0)
-    logits = rng.normal(0.0, 1.5, (b, big.num_nodes, v)).astype(np.float32)
-    q = rng.dirichlet(np.ones(v), (b, big.num_nodes)).astype(np.float32)
-    tokens = np.zeros((b, big.num_nodes), np.int32)
-    for node in range(big.num_nodes):  # a node's children: distinct tokens in rank order
-        kids = big.children[node][big.children[node] >= 0]
-        tokens[:, kids] = np.argsort(rng.uniform(size=(b, v)), axis=1)[:, : len(kids)]
-    index = {(): 0} | {p: i + 1 for i, p in enumerate(big.paths)}
-    held = [index[p] for p in ((),) + sub.paths]  # the big tree's node of each subtree node
-    key = jax.random.split(jax.random.PRNGKey(1), b)
-
-    def accept(tree, nodes):
-        st, toks, lg = StepTree.of(tree), jnp.asarray(tokens[:, nodes]), jnp.asarray(logits[:, nodes])
-        if mode == "greedy":
-            return np.asarray(accept_greedy(st, toks, lg, tree.max_depth)[0])
-        draws = jnp.asarray(q[:, nodes]) if mode == "drawn" else None
-        return np.asarray(accept_sample(st, toks, lg, SamplingConfig(temperature=1.0), key, tree.max_rank, draws)[0])
-
-    best_big, best_sub = accept(big, list(range(big.num_nodes))), accept(sub, held)
-    for row in range(b):
-        on_path = np.flatnonzero(big.ancestor_mask[best_big[row]])  # root .. best, in depth order
-        want = max((held.index(n) for n in on_path if n in held), key=lambda i: sub.depth[i])
-        assert best_sub[row] == want
-    assert len(set(sub.depth[best_sub])) == 4  # steps stopping at every depth: the test is not vacuous
-
-
-def test_compact_moves_the_path_to_contiguous_slots():
-    """Every slot holds a distinct value; after compaction slots length + d hold what slot
-    length + path[d] held, and every other slot is untouched."""
-    layers, b, s, kv, h = 2, 2, 12, 1, 2
-    slot_ids = (1000 * np.arange(layers)[:, None, None] + 100 * np.arange(b)[None, :, None]
-                + np.arange(s)[None, None, :]).astype(np.float32)
-    k = np.broadcast_to(slot_ids[:, :, None, :, None], (layers, b, kv, s, h)).copy()
-    lengths = np.array([3, 6], np.int32)
-    path = np.array([[0, 2, 5], [0, 1, 1]], np.int32)  # row 1: best at depth 1, padded with itself
-    cache = KVCache(k=tuple(jnp.asarray(k)), v=tuple(jnp.asarray(-k)), lengths=jnp.asarray(lengths))
-    out = jax.jit(compact)(cache, jnp.asarray(path))
-    want = k.copy()
-    for row in range(b):
-        for d, node in enumerate(path[row]):
-            want[:, row, :, lengths[row] + d] = k[:, row, :, lengths[row] + node]
-    np.testing.assert_array_equal(np.stack(out.k), want)
-    np.testing.assert_array_equal(np.stack(out.v), -want)
-    np.testing.assert_array_equal(out.lengths, lengths)
 
 
 # ---------------------------------------------------------------- refused settings

@@ -13,13 +13,7 @@ from clover_jax.io.heads_dir import CONFIG, save_heads
 from clover_jax.io.hf import load_pretrained
 from clover_jax.drafters.heads import HeadsConfig, make_heads
 from clover_jax.plan.auto import CPU_CHAIN_COST, ChainCost
-from conftest import tiny_llama_checkpoint
 from infer import generate
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_llama_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="module")

@@ -1,21 +1,17 @@
 """`python -m train.train` on tiny models (the losses themselves: tests/test_losses.py).
 
-`Heads.unroll` (what training sees) is checked against the decoding path's context / node_state /
-node_hidden calls position by position; and the CLI end to end on a tiny random Llama with a real
-tokenizer: a few steps lower the loss, the base model is never touched, a killed run resumes to
-identical heads, bad input is one line and exit 2, and the exported heads drive `infer.generate`.
+The CLI end to end on a tiny random Llama with a real tokenizer: a few steps lower the loss, the base
+model is never touched, a killed run resumes to identical heads, bad input is one line and exit 2, the
+exported heads drive `infer.generate`, and `train.evaluate` measures them as training did. (What
+training's teacher forcing sees: tests/test_unroll.py; sharded training: tests/test_sharding.py.)
 """
 
 import contextlib
 import hashlib
 import io
 import json
-import os
-import pathlib
 import shutil
 import signal
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -28,107 +24,24 @@ from safetensors.numpy import load_file
 from clover_jax.io.heads_dir import held_out_chain_tau, load_fitted_tree, load_heads
 from clover_jax.io.hf import load_pretrained
 from clover_jax.drafters.vocab import DraftVocab, token_counts
-from clover_jax.errors import CloverError
 from clover_jax.drafters.heads import HeadsConfig, make_heads
 from clover_jax.drafters.losses import targets_and_masks
-from clover_jax.drafters.registry import BUILT_IN as METHODS, HEADS
+from clover_jax.drafters.registry import BUILT_IN as METHODS
 from clover_jax.model.llama import causal_self_mask
 from clover_jax.trees.spec import resolve_tree
-from conftest import save_tiny_llama, tiny_tokenizer
+from conftest import HEAD_RECORDS
 from clover_jax.plan import factory
 from infer import generate
-from train import evaluate, runs
+from train import evaluate
 from train import make_data
-from train import tokenizer as tokenizer_lib
 from train import train
 from train.data import HeadDataset
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-RECORDS = [{"prompt": p, "response": r * n} for n in (1, 2, 3)
-           for p, r in [("def add(a, b):", "\n    return a + b\n"), ("class Point:", "\n    def __init__(self, x):\n"),
-                        ("import os", "\nprint(os.getcwd())\n"), ("for i in", " range(10):\n    print(i)\n")]]
 STEPS, SEED, NUM_HEADS = 6, 3, 2
 
 
-# ---------------------------------------------------------------------------------------------------
-# Teacher forcing sees what drafting sees.
-
-@pytest.mark.parametrize("method", HEADS)  # EAGLE's draft models: tests/test_eagle.py
-def test_unroll_equals_the_decoding_path(method, loaded):
-    """Entry [k, :, t] of `unroll` equals the decoding path's calls at position t: the heads' context
-    (cache-free, causal) at t, computed with every token after x_{t+1} replaced so nothing later can
-    leak in, then node_state / node_hidden fed x_{t+1}, x_{t+2}, ... as drafting feeds a tree path."""
-    base = loaded("llama2")[3]
-    heads = make_heads(HeadsConfig(method, 3), base, seed=1)
-    # Zero-initialised parts (Medusa's W, Clover's W_V) would hide mistakes: perturb every parameter.
-    leaves, treedef = jax.tree.flatten(nnx.state(heads, nnx.Param))
-    keys = jax.random.split(jax.random.key(7), len(leaves))
-    nnx.update(heads, jax.tree.unflatten(treedef, [x + 0.1 * jax.random.normal(k, x.shape, x.dtype)
-                                                   for x, k in zip(leaves, keys)]))
-    b, t_len = 2, 7
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(3, base.cfg.vocab_size, (b, t_len)).astype(np.int32)
-    positions = jnp.broadcast_to(jnp.arange(t_len), (b, t_len))
-    mask = causal_self_mask(b, t_len)
-
-    def forward(x):
-        out = base(jnp.asarray(x), positions, mask)
-        return out.hidden, out.hidden_normed
-
-    unrolled = np.asarray(heads.unroll(base, *forward(tokens), jnp.asarray(tokens)))
-    assert unrolled.shape == (3, b, t_len, base.cfg.hidden_size)
-    checked = 0
-    for t in range(t_len - 1):
-        seen = tokens.copy()
-        seen[:, t + 2:] = rng.integers(3, base.cfg.vocab_size, (b, t_len - t - 2))
-        next_tokens = np.concatenate([seen[:, 1:], np.zeros((b, 1), np.int32)], axis=1)
-        ctx, _ = heads.context(base, *forward(seen), jnp.asarray(next_tokens), positions, mask, None)
-        token = jnp.asarray(tokens[:, t + 1])
-        s = heads.node_state(base, 0, ctx[:, t], token)
-        for k in range(3):
-            if t + 1 + k >= t_len:
-                break
-            np.testing.assert_allclose(unrolled[k, :, t], heads.node_hidden(base, k, s, token), atol=1e-4, rtol=1e-4)
-            checked += 1
-            if t + 2 + k < t_len:
-                token = jnp.asarray(tokens[:, t + 2 + k])
-                s = heads.node_state(base, k + 1, s, token)
-    assert checked == 6 + 5 + 4
-
-
-# ---------------------------------------------------------------------------------------------------
-# The CLI end to end.
-
 def _sha256(path):
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tok):
-    out = tmp_path_factory.mktemp("tiny-llama")
-    tokenizer_lib.save_tokenizer(tok, out)
-    return save_tiny_llama(out, tok.get_vocab_size(), seed=0)
-
-
-@pytest.fixture(scope="module")
-def datasets(model_dir, tmp_path_factory):
-    """{"plain": dataset without hidden states, "hidden": the same with float16 hidden states}."""
-    prompts = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
-    out = {}
-    for name, extra in (("plain", []), ("hidden", ["--store-hidden=float16"])):
-        out[name] = tmp_path_factory.mktemp(f"data-{name}")
-        assert make_data.main([f"--base={model_dir}", f"--prompts={prompts}", f"--out={out[name]}", "--mode=fixed",
-                               "--batch-size=4", *extra]) == 0
-    plain, hidden = HeadDataset(out["plain"]), HeadDataset(out["hidden"])
-    assert plain.hidden is None and hidden.hidden.dtype == np.float16
-    assert max(plain.lengths) > 32  # some examples are longer than the training window
-    return out
 
 
 def _argv(model_dir, data, out, work, method, *extra):
@@ -316,7 +229,7 @@ def test_held_out_figures_and_token_counts_can_come_from_another_dataset(trained
     """`--eval-data`: the held-out split of another dataset (here made with `make_data --first`, which
     leaves out the records before it) gives the held-out figures; training still reads --data."""
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in HEAD_RECORDS))
     later = tmp_path / "later"
     assert make_data.main([f"--base={model_dir}", f"--prompts={prompts}", f"--out={later}", "--mode=fixed",
                            "--first=3", "--limit=4"]) == 0
@@ -398,14 +311,6 @@ def test_a_draft_model_resumes_to_identical_heads(method, trained, model_dir, da
         assert code == 2 and err.count("\n") == 1 and "was started with token_counts_sha256=" in err, err
 
 
-@pytest.fixture(scope="module")
-def other_base(tok, tmp_path_factory):
-    """A second tiny model with the same tokenizer and shapes but other weights."""
-    out = tmp_path_factory.mktemp("other-llama")
-    tokenizer_lib.save_tokenizer(tok, out)
-    return save_tiny_llama(out, tok.get_vocab_size(), seed=1)
-
-
 @pytest.mark.parametrize("method", METHODS)
 def test_a_loss_vocabulary_of_every_token_is_the_whole_vocabulary_loss(method, trained, model_dir, datasets):
     """--loss-vocab scores heads and base over a subset: with every token in it, in id order, the loss,
@@ -445,110 +350,46 @@ def test_a_loss_vocabulary_scores_only_its_tokens(method, trained, model_dir, da
     np.testing.assert_array_equal(m["top1"], 0.0)
 
 
-def test_index_of_inverts_token():
-    vocab = DraftVocab(ids=jnp.asarray([2, 5, 7], jnp.int32), rows=jnp.zeros((3, 4)))
-    np.testing.assert_array_equal(vocab.index_of(jnp.asarray([[7, 2], [3, 5]]), 9), [[2, 0], [-1, 1]])
-    np.testing.assert_array_equal(vocab.token(vocab.index_of(vocab.ids, 9)), vocab.ids)
+# case -> (what the one line says, what the run is given instead: data, base, method, extra flags, a file
+# that --out or --work-dir is to be made under); {tmp} is the test's folder.
+BAD_INPUT = {
+    "missing dir": ("no such dataset directory", dict(data="nope")),
+    "empty dir": ("no meta.json", dict(data="empty")),
+    "foreign meta": ("not a meta.json written by train.make_data", dict(data="foreign")),
+    "other base": ("made with another base model", dict(base="other")),
+    "seq-len too long": ("exceeds the base model's context", dict(extra=["--seq-len", 65])),
+    "zero steps": ("--steps must be >= 1", dict(extra=["--steps", 0])),
+    "draft vocab of heads": ("--draft-vocab is EAGLE-3's own lm_head; clover drafts from the base model's",
+                             dict(extra=["--draft-vocab", 8])),
+    "loss vocab of eagle3": ("EAGLE-3 scores its own draft vocabulary; set its size with --draft-vocab",
+                             dict(method="eagle3", extra=["--loss-vocab", 8])),
+    "loss vocab too large": ("--loss-vocab 100000 must be in [1, ", dict(extra=["--loss-vocab", 100000])),
+    "out under a file": ("--out: cannot create the folder {tmp}/a-file/heads: {tmp}/a-file is a file",
+                         dict(under_file="out")),  # refused before any training, not when the heads are saved
+    "work dir under a file": ("--work-dir: cannot create the folder {tmp}/a-file/work: {tmp}/a-file is a file",
+                              dict(under_file="work")),
+}
 
 
-@pytest.mark.parametrize("method", ["clover2", "eagle3"])
-def test_training_over_a_loss_vocabulary_exports_bfloat16_heads(method, model_dir, datasets, tmp_path, capsys):
-    """--loss-vocab trains and exports; --export-dtype bfloat16 stores every weight in bfloat16 (token
-    ids as they are), and the heads load for a float32 base model."""
-    vocab = ["--loss-vocab", 24] if method == "clover2" else ["--draft-vocab", 24]
-    code, out, err = _train(capsys, model_dir, datasets[DATA_OF[method]], tmp_path / "out", tmp_path / "work",
-                            method, *vocab, "--export-dtype", "bfloat16")
-    assert code == 0, err
-    meta = json.loads((tmp_path / "out" / "heads.json").read_text())
-    assert meta["training"]["export_dtype"] == "bfloat16"
-    stored = load_file(str(tmp_path / "out" / "heads.safetensors"))
-    assert {str(a.dtype) for name, a in stored.items() if not name.endswith("ids")} == {"bfloat16"}
-    assert all(a.dtype == np.int32 for name, a in stored.items() if name.endswith("ids"))
-    heads = load_heads(tmp_path / "out", _base(model_dir), method)
-    weights = [np.asarray(v) for v in jax.tree.leaves(nnx.state(heads, nnx.Param))]
-    assert all(w.dtype == np.float32 and np.array_equal(w, w.astype(jnp.bfloat16).astype(np.float32))
-               for w in weights)
-
-
-@pytest.mark.parametrize("case", ["missing dir", "empty dir", "foreign meta", "other base", "seq-len too long",
-                                  "zero steps", "out under a file", "work dir under a file", "draft vocab of heads",
-                                  "loss vocab of eagle3", "loss vocab too large"])
+@pytest.mark.parametrize("case", BAD_INPUT)
 def test_bad_input_is_one_error_line_and_exit_2(case, model_dir, other_base, datasets, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "meta.json").write_text('{"created_by": "someone else"}')
-    base, data, extra, method = model_dir, datasets["plain"], [], "clover"
-    needle = {"missing dir": "no such dataset directory", "empty dir": "no meta.json",
-              "foreign meta": "not a meta.json written by train.make_data",
-              "other base": "made with another base model", "seq-len too long": "exceeds the base model's context",
-              "zero steps": "--steps must be >= 1",
-              "draft vocab of heads": "--draft-vocab is EAGLE-3's own lm_head; clover drafts from the base model's",
-              "loss vocab of eagle3": "EAGLE-3 scores its own draft vocabulary; set its size with --draft-vocab",
-              "loss vocab too large": "--loss-vocab 100000 must be in [1, ",
-              "out under a file": f"--out: cannot create the folder {tmp_path / 'a-file' / 'heads'}: "
-                                  f"{tmp_path / 'a-file'} is a file",
-              "work dir under a file": f"--work-dir: cannot create the folder {tmp_path / 'a-file' / 'work'}: "
-                                       f"{tmp_path / 'a-file'} is a file"}[case]
+    (tmp_path / "a-file").write_text("")
+    needle, given = BAD_INPUT[case]
+    data = tmp_path / given["data"] if "data" in given else datasets["plain"]
+    base = other_base if given.get("base") else model_dir
     out, work = tmp_path / "out", tmp_path / "work"
-    if case == "missing dir":
-        data = tmp_path / "nope"
-    elif case == "empty dir":
-        data = tmp_path / "empty"
-    elif case == "foreign meta":
-        data = tmp_path / "foreign"
-    elif case == "other base":
-        base = other_base
-    elif case == "seq-len too long":
-        extra = ["--seq-len", 65]
-    elif case == "zero steps":
-        extra = ["--steps", 0]
-    elif case == "draft vocab of heads":
-        extra = ["--draft-vocab", 8]
-    elif case == "loss vocab of eagle3":
-        method, extra = "eagle3", ["--loss-vocab", 8]
-    elif case == "loss vocab too large":
-        extra = ["--loss-vocab", 100000]
-    elif case == "out under a file":
-        (tmp_path / "a-file").write_text("")
-        out = tmp_path / "a-file" / "heads"  # refused before any training, not when the heads are saved
-    else:
-        (tmp_path / "a-file").write_text("")
+    if given.get("under_file") == "out":
+        out = tmp_path / "a-file" / "heads"
+    elif given.get("under_file") == "work":
         work = tmp_path / "a-file" / "work"
-    code, stdout, err = _train(capsys, base, data, out, work, method, *extra)
+    code, stdout, err = _train(capsys, base, data, out, work, given.get("method", "clover"), *given.get("extra", []))
     assert (code, stdout) == (2, ""), err
     assert err.startswith("error: ") and err.count("\n") == 1, err
-    assert needle in err, err
+    assert needle.format(tmp=tmp_path) in err, err
     assert not (tmp_path / "out").exists()
-
-
-def test_ctrl_c_asks_once_interrupts_twice_and_an_ignored_sigint_stays_ignored(capsys, ctrl_c):
-    """runs.stop_on_interrupt: the first SIGINT only asks the loop to stop, a second one interrupts, the
-    handler before is put back; where SIGINT is ignored (nohup, a background job) it stays ignored."""
-    before = signal.getsignal(signal.SIGINT)
-    with runs.stop_on_interrupt() as stop:
-        signal.raise_signal(signal.SIGINT)
-        assert stop.is_set() and "stopping after this step" in capsys.readouterr().err
-        with pytest.raises(KeyboardInterrupt):
-            signal.raise_signal(signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is before
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        with runs.stop_on_interrupt() as stop:
-            signal.raise_signal(signal.SIGINT)
-            assert not stop.is_set()
-    finally:
-        signal.signal(signal.SIGINT, before)
-
-
-def test_a_checkpoint_of_other_parameters_is_refused_in_one_line(tmp_path):
-    """A work directory checkpointed by another version (here q, k and v apart, where the run has them
-    fused) is refused on resume with one line, not a page of orbax's tree diff."""
-    manager = ocp.CheckpointManager(tmp_path / "checkpoints")
-    manager.save(3, args=ocp.args.StandardSave({"params": {"q_proj": jnp.zeros(4), "k_proj": jnp.zeros(2)}}))
-    manager.wait_until_finished()
-    with pytest.raises(CloverError, match=r"step 3 does not fit this run's parameters .* new work directory") as e:
-        runs.restore_latest(manager, {"params": {"qkv_proj": jnp.zeros(6)}})
-    assert "\n" not in str(e.value)
 
 
 def test_exported_heads_drive_generation(trained, model_dir, capsys):
@@ -652,28 +493,3 @@ def test_evaluate_bad_input_is_one_error_line(case, trained, model_dir, other_ba
     assert evaluate.main([str(a) for a in argv[case]]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1, err
-
-
-def test_sharded_training_matches_and_resumes_on_another_mesh(model_dir, datasets, tmp_path):
-    """8 virtual CPU devices, in a fresh process (the device count is fixed when JAX starts): Clover-2
-    heads trained on a data=4,model=2 mesh equal the one-device run, and so does a run stopped on that
-    mesh and resumed from its orbax checkpoint on data=2,fsdp=2,model=2. `make_data --mesh` writes the
-    same data (tokens; hidden states to float16 rounding), fixed and self-distilled."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))  # this checkout's package
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "sharded_train_run.py"), str(model_dir),
-                           str(datasets["hidden"]), str(tmp_path), str(prompts)], capture_output=True, text=True,
-                          env=env, timeout=900, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    heads = {name: load_file(tmp_path / name / "heads.safetensors") for name in ("one", "sharded", "resumed")}
-    assert heads["one"].keys() == heads["sharded"].keys() == heads["resumed"].keys()
-    for name in ("sharded", "resumed"):
-        for key, value in heads["one"].items():
-            np.testing.assert_allclose(heads[name][key], value, atol=2e-5, rtol=1e-4, err_msg=f"{name}: {key}")
-    for mode in ("fixed", "self"):
-        one, sharded = (HeadDataset(tmp_path / f"data-{mode}-{name}") for name in ("one", "sharded"))
-        np.testing.assert_array_equal(sharded.tokens, one.tokens)
-        np.testing.assert_array_equal(sharded.loss_mask, one.loss_mask)
-        np.testing.assert_allclose(sharded.hidden.astype(np.float32), one.hidden.astype(np.float32), atol=2e-3, rtol=2e-3)
