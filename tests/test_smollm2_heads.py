@@ -4,6 +4,7 @@ no other model's. A file of its own, so the test workers share the SmolLM2 tests
 
 from __future__ import annotations
 
+import json
 import numpy as np
 import pytest
 
@@ -62,16 +63,20 @@ def test_shipped_heads_decode_exactly_as_plain_decoding(method, smollm2, plain_a
 
 @pytest.mark.parametrize("method", registry.BUILT_IN)
 def test_shipped_heads_draft_a_tree_fitted_to_them_at_one_node_budget(method):
-    """Each method's shipped tree.json (`train.evaluate --fit-tree 64 --record` on round 5's held-out
-    split, MODEL_CARD.md) has the same number of nodes as every other method's, the largest paper tree's
-    (Medusa's 64), so on their default trees the methods compare at one verification cost; replayed on
-    that split it accepts more than the method's paper tree, by what heads.json recorded."""
+    """Each method's shipped tree.json (`train.evaluate --fit-tree 64 --record`, MODEL_CARD.md) has the
+    same number of nodes as every other method's, the largest paper tree's (Medusa's 64), so on their
+    default trees the methods compare at one verification cost; replayed on the held-out split heads.json
+    recorded its figures on, it accepts more than the method's paper tree. The tree's recorded tau is
+    `fit:64` where it was fitted on that split, and `default` (the shipped tree replayed) where it was
+    fitted on another (EAGLE-3's, on its training data's held-out split)."""
     depth = registry.get(method).depth
     budget = max(resolve_tree("paper", m, registry.get(m).depth).num_nodes for m in registry.BUILT_IN)
     fitted, paper = load_fitted_tree(SHIPPED / method, depth), resolve_tree("paper", method, depth)
     assert fitted is not None and fitted.num_nodes == budget >= paper.num_nodes and fitted != paper
-    taus = read_heads_config(SHIPPED / method)["evaluated"]["val_tree_tau"]
-    assert taus[f"fit:{budget}"] > taus["paper"] > 1
+    evaluated = read_heads_config(SHIPPED / method)["evaluated"]
+    fitted_here = json.loads((SHIPPED / method / "tree.json").read_text())["fitted_on"] == evaluated["data"]
+    taus = evaluated["val_tree_tau"]
+    assert taus[f"fit:{budget}" if fitted_here else "default"] > taus["paper"] > 1
 
 
 def test_shipped_heads_are_smollm2s_and_fit_their_budget(smollm2):
