@@ -11,7 +11,7 @@ import pytest
 import cli
 from clover_jax.drafters import registry
 from clover_jax.io import sources
-from clover_jax.io.heads_dir import base_fingerprint, held_out_chain_tau, load_draft_vocab, load_fitted_tree, load_token_counts, read_heads_config
+from clover_jax.io.heads_dir import TREE, base_fingerprint, held_out_chain_tau, load_draft_vocab, load_fitted_tree, load_token_counts, read_heads_config
 from clover_jax.io.hf import load_pretrained
 from clover_jax.drafters.vocab import AUTO_MASS_COVERAGE
 from clover_jax.engine.decode import Generator
@@ -74,7 +74,7 @@ def test_shipped_heads_draft_a_tree_fitted_to_them_at_one_node_budget(method):
     fitted, paper = load_fitted_tree(SHIPPED / method, depth), resolve_tree("paper", method, depth)
     assert fitted is not None and fitted.num_nodes == budget >= paper.num_nodes and fitted != paper
     evaluated = read_heads_config(SHIPPED / method)["evaluated"]
-    fitted_here = json.loads((SHIPPED / method / "tree.json").read_text())["fitted_on"] == evaluated["data"]
+    fitted_here = json.loads((SHIPPED / method / TREE).read_text())["fitted_on"] == evaluated["data"]
     taus = evaluated["val_tree_tau"]
     assert taus[f"fit:{budget}" if fitted_here else "default"] > taus["paper"] > 1
 
