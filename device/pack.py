@@ -157,7 +157,7 @@ def sharegpt_slice(records: int, folder: Path) -> Path:
     """ShareGPT's first `records` records as a JSON array, standing in for the packaged file on the
     device (the same records at the same indices, so `--data sharegpt --first N --limit M` and the
     committed answers of models/smollm2/distill mean what they mean here)."""
-    from cli.datasets import json_array_records
+    from clover_jax._cli.datasets import json_array_records
     from clover_jax.io import sources
 
     rows, _ = json_array_records(sources.fetch("sharegpt"))

@@ -1,5 +1,5 @@
 """The inference tools (generate, benchmark, ...); they need the [tools] extra beyond the core install."""
 
-from cli.extras import require
+from clover_jax._cli.extras import require
 
 require("tools", "infer")

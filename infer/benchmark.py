@@ -44,7 +44,7 @@ from clover_jax.plan.auto import PLAIN
 from clover_jax.plan.factory import METHODS, LoadedDrafter, drafting_plan, load_drafter, make_generator
 from clover_jax.trees.dynamic import DYNAMIC_KINDS
 from clover_jax.trees.spec import accelerator_default, resolve_tree
-import cli
+from clover_jax import _cli as cli
 from infer import loop_flags, report
 from infer.bandwidth import SAMPLE_PROMPTS, BandwidthProbe, plain_efficiency, plain_phases
 from infer.profiling import profile_folder, profile_ops

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-import cli
+from clover_jax import _cli as cli
 from clover_jax.errors import CloverError
 from clover_jax.io import sources
 from clover_jax.io.files import atomic_path, check_free_space, space_errors

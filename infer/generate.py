@@ -24,9 +24,9 @@ from clover_jax.io.hf import load_pretrained
 from clover_jax.model.config import ModelConfig
 from clover_jax.model.sharding import describe_mesh
 from clover_jax.plan.factory import METHODS, make_generator
-import cli
-from cli.conversation import answer_turns, record_turns
-from cli.stream import StreamPrinter
+from clover_jax import _cli as cli
+from clover_jax._cli.conversation import answer_turns, record_turns
+from clover_jax._cli.stream import StreamPrinter
 from infer.loop_flags import add_loop_chunk, check_loop_chunk
 
 EPILOG = """\

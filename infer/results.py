@@ -17,7 +17,7 @@ import json
 import re
 from pathlib import Path
 
-import cli
+from clover_jax import _cli as cli
 from clover_jax.errors import CloverError
 from clover_jax.io.files import write_text
 from infer import report

@@ -6,8 +6,8 @@ import sys
 
 from tqdm import tqdm
 
-import cli
-from cli.conversation import answer_turns, record_turns
+from clover_jax import _cli as cli
+from clover_jax._cli.conversation import answer_turns, record_turns
 from clover_jax.engine.decode import BUCKETS, Generator
 
 

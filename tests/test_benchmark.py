@@ -19,7 +19,7 @@ from clover_jax.trees.fit import fit_to_hits
 from clover_jax.plan.factory import load_drafter
 from clover_jax.trees.spec import resolve_tree
 from conftest import tiny_llama_checkpoint
-import cli
+from clover_jax import _cli as cli
 from infer import benchmark, profiling, report, tasks
 from clover_jax.io import sources
 from clover_jax.io import tokenization

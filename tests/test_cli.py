@@ -21,9 +21,9 @@ from clover_jax.io.hf import load_pretrained
 from clover_jax.model.llama import Llama
 from clover_jax.engine.sampling import SamplingConfig
 from conftest import CLI_NEW as NEW
-import cli
+from clover_jax import _cli as cli
 from clover_jax.io import sources
-from cli.stream import StreamPrinter
+from clover_jax._cli.stream import StreamPrinter
 from infer import generate
 from clover_jax.io import tokenization
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-import cli
-from cli import conversation
+from clover_jax import _cli as cli
+from clover_jax._cli import conversation
 from clover_jax.engine.decode import Generator
 from clover_jax.errors import CloverError
 from clover_jax.io import tokenization

@@ -20,7 +20,7 @@ import pytest
 import safetensors
 from flax import nnx
 
-import cli
+from clover_jax import _cli as cli
 from clover_jax.drafters.heads import HeadsConfig, make_heads
 from clover_jax.errors import CloverError
 from clover_jax.io import files, gguf, heads_dir, hf

@@ -13,7 +13,7 @@ from train import curves, evaluate, make_data, merge_data
 from train import train as train_tool
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("clover_jax", "cli", "infer", "train", "device")
+PACKAGES = ("clover_jax", "infer", "train", "device")
 
 
 def module_files() -> list[str]:

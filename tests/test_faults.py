@@ -18,7 +18,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-import cli
+from clover_jax import _cli as cli
 from clover_jax.engine.decode import Generator
 from clover_jax.errors import CloverError
 from infer import benchmark, generate

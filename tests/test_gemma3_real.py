@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import cli
+from clover_jax import _cli as cli
 from clover_jax.engine.decode import Generator
 from clover_jax.errors import CloverError
 from clover_jax.io import sources

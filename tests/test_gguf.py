@@ -19,7 +19,7 @@ from clover_jax.io.hf import load_pretrained
 from clover_jax.errors import CloverError
 from clover_jax.io.gguf import gguf_checkpoint, unpermute_rope_rows
 from clover_jax.model.llama import causal_self_mask
-import cli
+from clover_jax import _cli as cli
 from clover_jax.io import tokenization
 
 TOKENS = [chr(33 + i) for i in range(64)]  # one printable character per id, all in the byte-level alphabet

@@ -17,7 +17,7 @@ from clover_jax.errors import CloverError
 from clover_jax.model.llama import causal_self_mask
 from clover_jax.engine.sampling import SamplingConfig
 from conftest import save_tiny_llama
-import cli
+from clover_jax import _cli as cli
 from train import hidden_states, make_data, merge_data
 from train.data import HeadDataset
 

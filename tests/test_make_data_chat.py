@@ -12,7 +12,7 @@ from clover_jax.engine.sampling import SamplingConfig
 from clover_jax.errors import CloverError
 from clover_jax.io import tokenization
 from clover_jax.io.hf import load_pretrained
-from cli import conversation
+from clover_jax._cli import conversation
 from conftest import tiny_llama_checkpoint, tiny_tokenizer
 from test_make_data import NEW, RECORDS, _examples, run
 from train import make_data

@@ -14,7 +14,7 @@ from clover_jax.io import sources
 from clover_jax.io.hf import load_pretrained
 from clover_jax.engine.decode import Generator
 from clover_jax.model.llama import causal_self_mask
-import cli
+from clover_jax import _cli as cli
 from clover_jax.io import tokenization
 
 QUESTION = "What is the capital of France? Answer in one sentence."

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-import cli
+from clover_jax import _cli as cli
 from clover_jax.drafters import registry
 from clover_jax.io import sources
 from clover_jax.io.heads_dir import TREE, base_fingerprint, held_out_chain_tau, load_draft_vocab, load_fitted_tree, load_token_counts, read_heads_config

@@ -12,8 +12,8 @@ import pytest
 
 from clover_jax.io import sources
 from clover_jax.errors import CloverError
-import cli
-from cli import datasets
+from clover_jax import _cli as cli
+from clover_jax._cli import datasets
 
 MEMBER = "fake_pkg/data/records.json"
 RECORDS = [{"conversations": [{"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": f"answer {i}"}]}

@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import cli
+from clover_jax import _cli as cli
 from clover_jax.drafters import registry
 from clover_jax.errors import CloverError
 from clover_jax.io.files import atomic_path, write_text

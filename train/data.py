@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from clover_jax.io.heads_dir import base_fingerprint
-import cli
+from clover_jax import _cli as cli
 from clover_jax.errors import CloverError
 from clover_jax.io.files import (allocated_bytes, atomic_path, check_free_space, preallocate, recover_dir, replace_dir,
                                  temporary_name, write_text)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import cli
+from clover_jax import _cli as cli
 from clover_jax.io.heads_dir import (CONFIG, TREE, is_ours, load_fitted_tree, load_heads, load_token_counts,
                                     read_heads_config, save_fitted_tree)
 from clover_jax.io.hf import load_pretrained

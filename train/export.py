@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import cli
+from clover_jax import _cli as cli
 from clover_jax.api import DTYPES
 from clover_jax.drafters import registry
 from clover_jax.drafters.base import Drafter

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-import cli
+from clover_jax import _cli as cli
 from clover_jax.engine.decode import BUCKETS, bucket_for, to_host
 from clover_jax.errors import CloverError
 from clover_jax.io.files import preallocate, write_text

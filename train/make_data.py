@@ -58,8 +58,8 @@ from clover_jax.errors import CloverError
 from clover_jax.io.files import space_errors
 from clover_jax.model.llama import Llama, eagle3_layers
 from clover_jax.engine.sampling import SamplingConfig
-import cli
-from cli.conversation import answer_turns, encode_conversation, masked_ids, record_turns
+from clover_jax import _cli as cli
+from clover_jax._cli.conversation import answer_turns, encode_conversation, masked_ids, record_turns
 from train.answers import AnswerStore
 from train.data import HIDDEN_DTYPES, check_dataset_room, dataset_bytes, prepare_dataset_dir, write_dataset
 from train.hidden_states import data_buckets, store_hidden

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-import cli
+from clover_jax import _cli as cli
 from clover_jax.errors import CloverError
 from clover_jax.io.files import space_errors
 from train.data import HeadDataset, check_dataset_room, dataset_bytes, new_memmap, prepare_dataset_dir, write_dataset

@@ -30,7 +30,7 @@ from clover_jax.model.config import ModelConfig
 from clover_jax.io.hf import save_pretrained
 from clover_jax.io.files import copy_file, write_text
 from clover_jax.model.llama import Llama, causal_self_mask
-import cli
+from clover_jax import _cli as cli
 from train import corpus
 from train.runs import MetricsLog, pin_run, restore_latest, stop_due, stop_on_interrupt
 from train.tokenizer import EOS_TOKEN, save_tokenizer, train_tokenizer

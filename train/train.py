@@ -39,7 +39,7 @@ from clover_jax.drafters.losses import shift_left, targets_and_masks
 from clover_jax.errors import CloverError
 from clover_jax.model.llama import Llama, causal_self_mask
 from clover_jax.model.sharding import onto_mesh, put_batch, shard_module
-import cli
+from clover_jax import _cli as cli
 from train import export, losses
 from train.data import HeadDataset
 from train.runs import (MetricsLog, check_checkpoint_space, no_space_in, pin_run, restore_latest, stop_due,

@@ -1,12 +1,14 @@
 """What the command-line tools of `infer/` and `train/` share, and the library does not need: flags,
 prompt files, chat templates, named data sets, exit codes, compile cache and multi-process set-up.
 
-Both tool packages import it (`import cli`, then `cli.read_prompts(...)`); neither imports the other.
+Both tool packages import it (`from clover_jax import _cli as cli`, then `cli.read_prompts(...)`); neither
+imports the other. It lives under the library as a private subpackage so the wheel installs no top-level
+name of its own; the library itself never imports it.
 Everything a user can get wrong becomes a `CloverError`, which `run_main` turns into one `error: ...`
 line and exit status 2 (130 after Ctrl-C, 141 when the reader of stdout has gone).
 """
 
-from cli.chat import (
+from clover_jax._cli.chat import (
     CHAT_TEMPLATES,
     VICUNA_SYSTEM,
     add_chat_flags,
@@ -14,7 +16,7 @@ from cli.chat import (
     load_tokenizer,
     read_chat_template,
 )
-from cli.prompts import (
+from clover_jax._cli.prompts import (
     default_prompts,
     encode_prompts,
     first_prompt,
@@ -25,7 +27,7 @@ from cli.prompts import (
     read_records,
     record_system,
 )
-from cli.run import (
+from clover_jax._cli.run import (
     CLOSED_PIPE,
     INTERRUPTED,
     SEEDS,
@@ -40,7 +42,7 @@ from cli.run import (
     run_main,
     seed,
 )
-from cli.runtime import (
+from clover_jax._cli.runtime import (
     COMPILE_CACHE_ENV,
     add_compile_cache_flag,
     add_distributed_flags,

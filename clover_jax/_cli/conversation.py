@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-import cli
+from clover_jax import _cli as cli
 from clover_jax.errors import CloverError
 from clover_jax.io import tokenization
 

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from cli import datasets
+from clover_jax._cli import datasets
 from clover_jax.errors import CloverError
 from clover_jax.io import sources
 from clover_jax.io.tokenization import encode
