@@ -29,7 +29,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from clover_jax.drafters import registry
+from clover_jax.drafters import BUILT_IN
 from clover_jax.io import sources
 from clover_jax.io.heads_dir import TREE
 from clover_jax.model.config import ModelConfig
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infer.benchmark", description=__doc__.split("\n\n")[0],
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", metavar="DIR", help="Hugging Face checkpoint directory (default: the shipped reference model)")
-    p.add_argument("--methods", default=",".join(("plain",) + registry.BUILT_IN), metavar="LIST",
+    p.add_argument("--methods", default=",".join(("plain",) + BUILT_IN), metavar="LIST",
                    help="comma-separated methods to measure (default: %(default)s); plain is always measured")
     p.add_argument("--heads-root", metavar="DIR",
                    help="directory holding one heads directory per method (default: MODEL/heads)")

@@ -15,6 +15,7 @@ import sys
 from tqdm import tqdm
 
 from clover_jax.api import DTYPES, finish_reason
+from clover_jax.drafters import HEADS
 from clover_jax.drafters import registry
 from clover_jax.engine.decode import Generator
 from clover_jax.engine.sampling import SamplingConfig
@@ -112,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "more when sampling); no pacing on a GPU or TPU, where a tree step costs about one plain "
                         "step, or for any other --tree; none: draft at every step (default: %(default)s)")
     p.add_argument("--num-heads", type=cli.at_least(1), metavar="K",
-                   help="number of heads with --heads random (default: " + ", ".join(f"{m} {registry.get(m).depth}" for m in registry.HEADS) + ")")
+                   help="number of heads with --heads random (default: " + ", ".join(f"{m} {registry.get(m).depth}" for m in HEADS) + ")")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
                    help="most tokens to generate per prompt; generation also stops at EOS (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",

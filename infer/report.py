@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from clover_jax.drafters import registry
+from clover_jax._cli import plots
 from clover_jax.plan import step_cost
 from clover_jax.io.files import atomic_path, write_text
 
@@ -362,7 +362,7 @@ def plot(rows: list[Row], out: str, shape: dict | None = None) -> None:
         for k, r in enumerate(by_task):
             speedups = [(r.per_task.get(t) or {}).get("speedup") or 0 for t in tasks]
             ax.bar(np.arange(len(tasks)) + k * width, speedups, width, label=r.name,
-                   color=registry.color(r.method) if one_each else None)
+                   color=plots.color(r.method) if one_each else None)
         _label_bars(ax, tasks, width * (len(by_task) - 1) / 2)
         ax.set_title(f"speedup over plain per task (batch {sizes[0]})")
         ax.legend(fontsize=7)
@@ -371,7 +371,7 @@ def plot(rows: list[Row], out: str, shape: dict | None = None) -> None:
     for name, r in curves:  # a colour per method, a marker per tree (hollow: not the default draft
         shapes = trees.setdefault(r.method, [])  # vocabulary, where it accepts otherwise), sampled rows dashed
         shapes += [r.tree] if r.tree not in shapes else []
-        axes[-1].plot(range(1, len(r.accept_per_depth) + 1), r.accept_per_depth, color=registry.color(r.method),
+        axes[-1].plot(range(1, len(r.accept_per_depth) + 1), r.accept_per_depth, color=plots.color(r.method),
                       marker="osD^vP*X"[shapes.index(r.tree) % 8], ls="--" if r.temperature else "-", label=name,
                       mfc="none" if name.endswith(f"dv={r.draft_vocab}") else None)
     axes[-1].set_title(f"steps accepting >= d drafted tokens (batch {sizes[0]})")

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from clover_jax.drafters import HEADS
 from clover_jax.drafters import registry
 from clover_jax.model.cache import KVCache, causal_mask, tree_mask
 from clover_jax.model.config import ModelConfig
@@ -117,7 +118,7 @@ def perturbed(method: str, base: Llama, depth: int):
 def test_a_drafter_registers_as_itself(base):
     drafter = make_heads(HeadsConfig("tiny-eagle", 3), base)
     assert isinstance(drafter, TinyEagle) and registry.get("tiny-eagle") is TINY_EAGLE
-    assert "tiny-eagle" in registry.names() and "tiny-eagle" not in registry.HEADS
+    assert "tiny-eagle" in registry.names() and "tiny-eagle" not in HEADS
     assert resolve_tree("default", "tiny-eagle", 3).max_depth == 3
     with pytest.raises(Exception, match="unknown method 'eagle-9'"):
         HeadsConfig("eagle-9", 3)

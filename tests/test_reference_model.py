@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from clover_jax.drafters import registry
+from clover_jax.drafters import BUILT_IN
 from clover_jax.io.heads_dir import load_heads
 from clover_jax.io import sources
 from clover_jax.io.hf import load_pretrained
@@ -147,7 +147,7 @@ def replayed_accept_hist(base, heads, seqs: list[list[int]], prompt_lens: list[i
 
 
 @pytest.mark.parametrize("tree", ["chain", "paper"])
-@pytest.mark.parametrize("method", registry.BUILT_IN)
+@pytest.mark.parametrize("method", BUILT_IN)
 def test_engine_accepts_what_training_drafts(reference, continuations, method, tree):
     """The shipped heads accept, step by step in the decoding loop, exactly what their drafts in
     training's evaluation (`train.head_loss`: teacher forced, or EAGLE's training-time test) say they

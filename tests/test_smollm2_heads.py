@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from clover_jax import _cli as cli
+from clover_jax.drafters import BUILT_IN
 from clover_jax.drafters import registry
 from clover_jax.io import sources
 from clover_jax.io.heads_dir import TREE, base_fingerprint, held_out_chain_tau, load_draft_vocab, load_fitted_tree, load_token_counts, read_heads_config
@@ -43,7 +44,7 @@ def plain_answers(smollm2):
     return ids, Generator(model, max_len=256).generate(ids, 24, eos_ids=()).tokens
 
 
-@pytest.mark.parametrize("method", registry.BUILT_IN)
+@pytest.mark.parametrize("method", BUILT_IN)
 def test_shipped_heads_decode_exactly_as_plain_decoding(method, smollm2, plain_answers):
     """`--model smollm2 --method M` finds its shipped heads; greedy, they write plain decoding's tokens:
     batch 1 on the tree fitted to them (their default), batch 4 on a chain through every head, from the draft vocabulary.
@@ -61,7 +62,7 @@ def test_shipped_heads_decode_exactly_as_plain_decoding(method, smollm2, plain_a
     assert chain.generate(ids, 24, eos_ids=()).tokens == plain
 
 
-@pytest.mark.parametrize("method", registry.BUILT_IN)
+@pytest.mark.parametrize("method", BUILT_IN)
 def test_shipped_heads_draft_a_tree_fitted_to_them_at_one_node_budget(method):
     """Each method's shipped tree.json (`train.evaluate --fit-tree 64 --record`, MODEL_CARD.md) has the
     same number of nodes as every other method's, the largest paper tree's (Medusa's 64), so on their
@@ -70,7 +71,7 @@ def test_shipped_heads_draft_a_tree_fitted_to_them_at_one_node_budget(method):
     `fit:64` where it was fitted on that split, and `default` (the shipped tree replayed) where it was
     fitted on another (EAGLE-3's, on its training data's held-out split)."""
     depth = registry.get(method).depth
-    budget = max(resolve_tree("paper", m, registry.get(m).depth).num_nodes for m in registry.BUILT_IN)
+    budget = max(resolve_tree("paper", m, registry.get(m).depth).num_nodes for m in BUILT_IN)
     fitted, paper = load_fitted_tree(SHIPPED / method, depth), resolve_tree("paper", method, depth)
     assert fitted is not None and fitted.num_nodes == budget >= paper.num_nodes and fitted != paper
     evaluated = read_heads_config(SHIPPED / method)["evaluated"]
@@ -81,7 +82,7 @@ def test_shipped_heads_draft_a_tree_fitted_to_them_at_one_node_budget(method):
 
 def test_shipped_heads_are_smollm2s_and_fit_their_budget(smollm2):
     model, _ = smollm2
-    for method in registry.BUILT_IN:
+    for method in BUILT_IN:
         meta = read_heads_config(SHIPPED / method)
         assert meta["base_fingerprint"] == base_fingerprint(model) and meta["heads"]["method"] == method
     size = sum(f.stat().st_size for f in SHIPPED.rglob("*") if f.is_file())
@@ -93,7 +94,7 @@ def test_shipped_heads_sample_from_the_tokens_holding_the_probability_mass(smoll
     over the heads' training answers: a sixth to a quarter of SmolLM2's 49,152, not all of them."""
     model, _ = smollm2
     v = model.cfg.vocab_size
-    for method in registry.BUILT_IN:
+    for method in BUILT_IN:
         mass = load_token_counts(SHIPPED / method, v, "mass")
         assert mass is not None and (mass >= 0).all() and mass.sum() > 1000, method
         vocab = load_draft_vocab(SHIPPED / method, model, "auto", greedy=False)

@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 
+from clover_jax.drafters import HEADS
 from clover_jax.drafters import registry
 from clover_jax.errors import CloverError
 from clover_jax.trees.spec import DEFAULT_TREES, accelerator_default, resolve_tree
@@ -214,7 +215,7 @@ def test_tree_is_a_static_jit_argument():
 
 def test_default_trees():
     sizes = {"medusa": (64, 4, 42), "clover": (62, 3, 41), "clover2": (26, 5, 15)}
-    assert {m: registry.get(m).depth for m in registry.HEADS} == {"medusa": 4, "clover": 3, "clover2": 5}
+    assert {m: registry.get(m).depth for m in HEADS} == {"medusa": 4, "clover": 3, "clover2": 5}
     for method, t in DEFAULT_TREES.items():
         assert (t.num_nodes, t.max_depth, t.num_leaves) == sizes[method]
         assert t.max_depth <= registry.get(method).depth

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from clover_jax._cli import extras as cli_extras
-from clover_jax.drafters import registry
+from clover_jax.drafters import BUILT_IN
 from clover_jax.io import sources
 from infer import generate
 
@@ -56,7 +56,7 @@ def test_the_wheel_carries_the_shipped_models_and_heads_and_not_the_distillation
               "special_tokens_map.json", "prompts.jsonl", "MODEL_CARD.md"]:
         assert f"{SHIPPED}/reference/{f}" in names, f
     for model in MODELS:
-        for method in registry.BUILT_IN:
+        for method in BUILT_IN:
             for f in ["heads.json", "heads.safetensors", "token_counts.safetensors"]:
                 assert f"{SHIPPED}/{model}/heads/{method}/{f}" in names, (model, method, f)
     # Every file of the checkout's shipped folders, and nothing of either model's distillation data.

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from clover_jax import _cli as cli
-from clover_jax.drafters import registry
+from clover_jax._cli import plots
 from clover_jax.errors import CloverError
 from clover_jax.io.files import atomic_path, write_text
 from train.runs import RUN_FILE
@@ -90,7 +90,7 @@ def plot(curves: list[Curve], out: str) -> None:
         style = ("-", "--", ":", "-.")[seen.get(c.method, 0) % 4]
         seen[c.method] = seen.get(c.method, 0) + 1
         for ax, ys in zip(axes, (c.chain_tau, c.loss)):
-            ax.plot(c.steps, ys, ls=style, marker="o", ms=3, color=registry.color(c.method), label=c.name)
+            ax.plot(c.steps, ys, ls=style, marker="o", ms=3, color=plots.color(c.method), label=c.name)
     axes[0].set_title("held-out chain tau (tokens per step, chain through every head)")
     axes[1].set_title("held-out loss (each method its own)")
     axes[1].set_yscale("log")

@@ -27,8 +27,9 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
 
+from clover_jax.drafters import HEADS
 from clover_jax.drafters import registry
-from clover_jax.io.files import check_free_space
+from clover_jax.io.files import check_free_space, sha256
 from clover_jax.io.heads_dir import WEIGHTS, export_bytes, load_heads, save_heads
 from clover_jax.api import DTYPES
 from clover_jax.io.hf import load_pretrained
@@ -171,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "answers, when --data adds text it did not write (default: all of --data)")
     p.add_argument("--out", required=True, metavar="DIR", help="where the final heads (safetensors + JSON) go")
     p.add_argument("--work-dir", metavar="DIR", help="orbax checkpoints and metrics.jsonl (default: OUT/../run-METHOD)")
-    p.add_argument("--num-heads", type=cli.at_least(1), help="number of heads (default: " + ", ".join(f"{m} {registry.get(m).depth}" for m in registry.HEADS) + ")")
+    p.add_argument("--num-heads", type=cli.at_least(1), help="number of heads (default: " + ", ".join(f"{m} {registry.get(m).depth}" for m in HEADS) + ")")
     p.add_argument("--embed-source", choices=("lm_head", "input"),
                    help="Clover-2 token embeddings: a frozen copy of lm_head (default), or the input embedding table")
     p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
@@ -262,10 +263,7 @@ def weights_sha256(folder: str | Path) -> str:
     of a published drafter's folder in name order."""
     folder = Path(folder)
     files = [folder / WEIGHTS] if (folder / WEIGHTS).is_file() else sorted(folder.glob("*.safetensors"))
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f.read_bytes())
-    return h.hexdigest()
+    return sha256(*files)
 
 
 def run(args) -> int:

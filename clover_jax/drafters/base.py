@@ -40,6 +40,7 @@ import flax.struct
 import jax
 from flax import nnx
 
+from clover_jax.drafters import registry
 from clover_jax.errors import CloverError
 
 
@@ -77,8 +78,6 @@ class HeadsConfig:
     switches: tuple[str, ...] = ()
 
     def __post_init__(self):
-        from clover_jax.drafters import registry  # the registry names the drafter classes: imported late
-
         registry.get(self.method)
         if self.num_heads < 1:
             raise CloverError(f"num_heads={self.num_heads} must be >= 1")
@@ -107,8 +106,6 @@ class HeadsConfig:
 
     @property
     def aug_layers(self) -> int:
-        from clover_jax.drafters import registry
-
         return registry.get(self.method).aug_layers
 
 

@@ -19,6 +19,8 @@ from clover_jax.drafters.heads import (
     last_layer_copies,
     token_embeddings,
 )
+from clover_jax.drafters.losses import cross_entropy
+from clover_jax.drafters.registry import Method, register
 from clover_jax.model.config import ModelConfig
 from clover_jax.model.layers import Linear, RMSNorm
 from clover_jax.model.llama import Llama
@@ -70,3 +72,7 @@ class CloverHeads(Heads):
 
     def node_hidden(self, base, k, state, token):
         return base.norm(self.blocks[k](state))
+
+
+register(Method("clover", CloverHeads, depth=3, tree="medusa_mc_sim_7b_63", loss=cross_entropy, aug_layers=1,
+                title="Clover"))

@@ -19,6 +19,7 @@ from clover_jax.drafters.losses import (
     soft_cross_entropy,
     targets_and_masks,
 )
+from clover_jax.drafters.registry import Method, register
 from clover_jax.model.config import ModelConfig
 from clover_jax.model.layers import Linear, RMSNorm
 from clover_jax.model.llama import Llama
@@ -109,3 +110,7 @@ def distill_loss(head_hidden: jax.Array, head_logits: jax.Array, base_normed: ja
         per_head.append(masked_mean(loss, masks[k]))
     per_head = jnp.stack(per_head)
     return jnp.sum(head_weights(k_heads) * per_head), per_head, masks, targets
+
+
+register(Method("clover2", Clover2Heads, depth=5, tree="eagle_mc_sim_7b_63", loss=distill_loss, aug_layers=2,
+                title="Clover-2"))

@@ -19,6 +19,7 @@ from clover_jax.drafters.losses import (
     soft_cross_entropy,
     targets_and_masks,
 )
+from clover_jax.drafters.registry import Method, register
 from clover_jax.errors import CloverError
 from clover_jax.model.layers import Linear
 from clover_jax.model.llama import Llama
@@ -82,3 +83,9 @@ def eagle_loss(head_hidden, head_logits, base_normed, base_logits, tokens, loss_
         per_head.append(masked_mean(loss, masks[k]))
     per_head = jnp.stack(per_head)
     return per_head[0], per_head, masks, targets
+
+
+# On accelerators it drafts EAGLE-2's dynamic tree, as the authors' EAGLE-2 release evaluates it (60
+# nodes, top-k 10, depth 5).
+register(Method("eagle", Eagle, depth=5, tree="eagle_mc_sim_7b_63", loss=eagle_loss, trained_steps=1,
+                title="EAGLE-1", chained=True, accelerator_tree="eagle2:60,10,5"))

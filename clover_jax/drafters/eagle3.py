@@ -15,6 +15,7 @@ from flax import nnx
 from clover_jax.drafters.base import DraftIds
 from clover_jax.drafters.draft_model import NO_LOGIT, DraftLayer, EagleDrafter, check_switches, layer_config
 from clover_jax.drafters.losses import base_distribution, masked_mean, shifted, soft_cross_entropy, targets_and_masks
+from clover_jax.drafters.registry import Method, register
 from clover_jax.drafters.vocab import DraftVocab
 from clover_jax.errors import CloverError
 from clover_jax.model.layers import Linear, RMSNorm
@@ -138,3 +139,8 @@ def eagle3_loss(head_hidden, head_logits, base_normed, base_logits, tokens, loss
     ce = soft_cross_entropy(head_logits, shifted(p_base, k_heads))  # [K, B, T]
     per_head = jax.vmap(masked_mean)(ce, masks * shifted(base_drafted, k_heads))
     return jnp.sum(EAGLE3_DECAY ** jnp.arange(k_heads, dtype=jnp.float32) * per_head), per_head, masks, targets
+
+
+# On accelerators it drafts its authors' dynamic tree (their from_pretrained defaults: 60, 10, 7).
+register(Method("eagle3", Eagle3, depth=7, tree="eagle_mc_sim_7b_63", loss=eagle3_loss, title="EAGLE-3",
+                chained=True, accelerator_tree="eagle2:60,10,7"))

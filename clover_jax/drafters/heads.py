@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from clover_jax.drafters.base import Committed, Drafter, Frontier, HeadsConfig
+from clover_jax.drafters import registry
 from clover_jax.drafters.losses import shift_left
 from clover_jax.drafters.vocab import DraftVocab
 from clover_jax.errors import CloverError
@@ -191,6 +192,4 @@ class Heads(nnx.Module, Drafter):
 
 def make_heads(hcfg: HeadsConfig, base: Llama, seed: int = 0) -> Drafter:
     """`registry.make_drafter`: a freshly initialised drafter of hcfg's method for `base`."""
-    from clover_jax.drafters import registry  # the registry imports the head classes: imported late
-
     return registry.make_drafter(hcfg, base, seed)

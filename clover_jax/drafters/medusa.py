@@ -13,6 +13,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from clover_jax.drafters.heads import Heads, HeadsConfig, ResBlock
+from clover_jax.drafters.losses import cross_entropy
+from clover_jax.drafters.registry import Method, register
 from clover_jax.drafters.vocab import DraftVocab
 from clover_jax.model.layers import Linear, product
 from clover_jax.model.llama import Llama
@@ -72,3 +74,6 @@ class MedusaHeads(Heads):
             return super().train_forward(base, tokens, hidden, hidden_normed, features, vocab, key, steps)
         drafted = self.unroll(base, hidden, hidden_normed, tokens, steps)
         return drafted, jnp.stack([self.head_logits(base, k, drafted[k], vocab) for k in range(drafted.shape[0])])
+
+
+register(Method("medusa", MedusaHeads, depth=4, tree="medusa_mc_sim_7b_63", loss=cross_entropy, title="Medusa"))

@@ -16,12 +16,23 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import shutil
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from clover_jax.errors import CloverError
+
+
+def sha256(*paths: str | Path) -> str:
+    """The sha256 of the files' bytes, one after the other, read in 4 MiB chunks (multi-GB files fit)."""
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 # Called with (source, destination) before every rename this module makes; None in normal runs. Tests
 # set it to raise at the Nth rename, which is where a kill leaves a set of files half switched.

@@ -17,7 +17,6 @@ are read by `gguf_gemma3`.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -30,7 +29,7 @@ import numpy as np
 from clover_jax.model.config import ModelConfig
 from clover_jax.errors import CloverError
 from clover_jax.io import gguf_gemma3
-from clover_jax.io.files import write_text
+from clover_jax.io.files import sha256, write_text
 
 # GGUF architecture -> Hugging Face model_type. Mistral files say "llama".
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "gemma3": gguf_gemma3.MODEL_TYPE}
@@ -269,13 +268,7 @@ def file_sha256(path: Path, cache: Path) -> str:
     """The file's sha256; one already worked out for this (path, size, mtime) is read from the cache's
     index, so a multi-GB file is hashed once (`gguf_checkpoint` records it after a conversion)."""
     known = _hash_index(cache)[1].get(_hash_key(path))
-    if known:
-        return known
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return known or sha256(path)
 
 
 def _remember_hash(cache: Path, path: Path, digest: str) -> None:

@@ -33,7 +33,7 @@ from clover_jax.drafters.base import SAVED, DraftIds, Drafter, HeadsConfig
 from clover_jax.drafters.vocab import DraftVocab, ranking, resolve_size
 from clover_jax.errors import CloverError
 from clover_jax.io import formats
-from clover_jax.io.files import check_free_space, check_whole, replace_together, space_errors
+from clover_jax.io.files import check_free_space, check_whole, replace_together, sha256, space_errors
 from clover_jax.model.layers import from_stored, stored_parts, to_stored
 from clover_jax.model.llama import Llama, legacy_eagle3_layers
 from clover_jax.trees.static import Tree
@@ -66,14 +66,6 @@ def _stored_params(heads: Drafter, dtype=None) -> dict[str, np.ndarray]:
         return np.ascontiguousarray(a if dtype is None or np.issubdtype(a.dtype, np.integer) else a.astype(dtype))
     return {_name(part): cast(array) for path, var in nnx.to_flat_state(nnx.state(heads, SAVED))
             for part, array in to_stored(path, np.asarray(jax.device_get(var[...])))}
-
-
-def file_sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def export_bytes(heads: Drafter, vocab_size: int, dtype=None) -> int:
@@ -110,10 +102,10 @@ def save_heads(heads: Drafter, base: Llama, out_dir: str | Path, extra: dict | N
     stale = (TREE,) + ((COUNTS,) if stats is None else ())
     with space_errors(out, need, note=" for the heads"), replace_together(out, (WEIGHTS, COUNTS, CONFIG), stale) as tmp:
         save_safetensors(params, tmp[WEIGHTS])
-        hashes = {WEIGHTS: file_sha256(tmp[WEIGHTS])}
+        hashes = {WEIGHTS: sha256(tmp[WEIGHTS])}
         if stats is not None:
             save_safetensors(stats, tmp[COUNTS])
-            hashes[COUNTS] = file_sha256(tmp[COUNTS])
+            hashes[COUNTS] = sha256(tmp[COUNTS])
         meta = {"heads": dataclasses.asdict(heads.hcfg), "base_fingerprint": base_fingerprint(base),
                 "base_model_type": base.cfg.model_type, "base_hidden_size": base.cfg.hidden_size,
                 "base_vocab_size": base.cfg.vocab_size, **(extra or {}), "sha256": hashes}
@@ -125,7 +117,7 @@ def heads_sha256(heads_dir: str | Path) -> str:
     """The sha256 of the heads' weights file: as heads.json records it, or (heads exported before it
     did) of the file itself. What ties a fitted tree to the heads it was fitted to."""
     recorded = (read_heads_config(heads_dir).get("sha256") or {}).get(WEIGHTS)
-    return recorded if isinstance(recorded, str) else file_sha256(Path(heads_dir) / WEIGHTS)
+    return recorded if isinstance(recorded, str) else sha256(Path(heads_dir) / WEIGHTS)
 
 
 def read_heads_config(heads_dir: str | Path) -> dict:

@@ -69,6 +69,10 @@ def heads_root(model: str | Path | None, path: Path) -> Path:
 CACHE_ENV = "CLOVER_JAX_CACHE"
 
 
+# What a pickled checkpoint's file names end in: never loaded, only converted (weights only) on request.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
 def cache_root() -> Path:
     """Where fetched packages and converted models are kept: $CLOVER_JAX_CACHE, else clover-jax under the
     user's cache folder ($XDG_CACHE_HOME or ~/.cache)."""
@@ -301,7 +305,6 @@ def drafter_snapshot(repo_id: str) -> Path:
     """A Hub drafter's files (`DRAFTER_FILES`: never a pickle, never code) in the Hugging Face cache. A
     repository whose weights are only a pickle is one line saying how to convert it (`infer.convert_pickle`,
     which downloads it into this same snapshot, where the loaders then find its converted copy)."""
-    from clover_jax.io.formats.weights import PICKLE_SUFFIXES
 
     folder = hub_files(repo_id, DRAFTER_FILES, "drafter")
     if any(p.suffix in (".safetensors",) + PICKLE_SUFFIXES for p in folder.iterdir()):

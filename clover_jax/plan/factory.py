@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from clover_jax.drafters import BUILT_IN
 from clover_jax.drafters import registry
 from clover_jax.drafters.base import Drafter
 from clover_jax.drafters.heads import HeadsConfig, make_heads
@@ -29,7 +30,7 @@ from clover_jax.plan.step_cost import chain_cost
 from clover_jax.trees.spec import resolve_tree
 from clover_jax.trees.static import Tree
 
-METHODS = ("plain",) + registry.BUILT_IN  # what a generator decodes with: plain, or a draft method
+METHODS = ("plain",) + BUILT_IN  # what a generator decodes with: plain, or a draft method
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,7 @@ import os
 
 import jax
 
+from clover_jax.drafters import HEADS
 from clover_jax.drafters import registry
 from clover_jax.errors import CloverError
 from clover_jax.plan.auto import PLAIN, auto_tree
@@ -110,4 +111,4 @@ def _named(name: str, heads: int) -> Tree:
 
 # The tree each method drafts by default, cut to its head count: medusa 64 nodes (depth 4), clover 62
 # nodes (depth 3), clover2 26 nodes (depth 5).
-DEFAULT_TREES = {m: _named(registry.get(m).tree, registry.get(m).depth) for m in registry.HEADS}
+DEFAULT_TREES = {m: _named(registry.get(m).tree, registry.get(m).depth) for m in HEADS}

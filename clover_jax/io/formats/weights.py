@@ -10,16 +10,14 @@ folder read the converted copy.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import numpy as np
 
 from clover_jax.errors import CloverError
-from clover_jax.io.sources import cache_root
-
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+from clover_jax.io.files import sha256
+from clover_jax.io.sources import PICKLE_SUFFIXES, cache_root
 
 
 def converted_dir() -> Path:
@@ -27,17 +25,9 @@ def converted_dir() -> Path:
     return cache_root() / "converted"
 
 
-def pickle_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def converted_path(pickle: Path) -> Path:
     """The safetensors copy `convert_pickle` writes for `pickle` (which may not exist yet)."""
-    return converted_dir() / f"{pickle_sha256(pickle)}.safetensors"
+    return converted_dir() / f"{sha256(pickle)}.safetensors"
 
 
 def find_weights(folder: Path, names: tuple[str, ...]) -> Path | None:
