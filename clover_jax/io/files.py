@@ -34,6 +34,7 @@ def sha256(*paths: str | Path) -> str:
                 digest.update(chunk)
     return digest.hexdigest()
 
+
 # Called with (source, destination) before every rename this module makes; None in normal runs. Tests
 # set it to raise at the Nth rename, which is where a kill leaves a set of files half switched.
 rename_hook: Callable[[Path, Path], None] | None = None
