@@ -26,7 +26,7 @@ from clover_jax.io.hf import load_pretrained
 from clover_jax.drafters.vocab import DraftVocab, token_counts
 from clover_jax.drafters.heads import HeadsConfig, make_heads
 from clover_jax.drafters.losses import targets_and_masks
-from clover_jax.drafters.registry import BUILT_IN as METHODS
+from clover_jax.drafters import BUILT_IN as METHODS
 from clover_jax.model.llama import causal_self_mask
 from clover_jax.trees.spec import resolve_tree
 from conftest import HEAD_RECORDS

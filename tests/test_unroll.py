@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from clover_jax.drafters.heads import HeadsConfig, make_heads
-from clover_jax.drafters.registry import HEADS
+from clover_jax.drafters import HEADS
 from clover_jax.model.llama import causal_self_mask
 
 
