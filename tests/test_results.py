@@ -1,16 +1,21 @@
 """`python -m infer.results`: a benchmark JSON becomes a markdown section of docs/results.md, replaced in
-place by a rerun, and every section of docs/results.md is what its command makes from its JSON."""
+place by a rerun, and every section of docs/results.md, and of the history pages its older sections moved
+to, is what its command makes from its JSON."""
 
 import dataclasses
 import json
 import shlex
 from pathlib import Path
 
+import pytest
+
 from infer import report, results
 from infer.report import Row
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "results.md"
+# the pages holding rendered sections: docs/results.md and those its older sections moved to
+PAGES = [DOC, *(p for p in sorted((REPO / "docs" / "history").glob("*.md")) if "<!-- results:" in p.read_text())]
 
 
 def write_run(path: Path, rows: list[Row], **settings) -> Path:
@@ -101,16 +106,26 @@ def test_a_document_without_the_sections_markers_or_a_file_that_is_no_benchmark_
     assert err.count("\n") == 1 and "not a benchmark JSON" in err
 
 
-def test_every_section_of_docs_results_is_what_its_command_makes_from_its_json(tmp_path, monkeypatch):
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_every_section_of_a_results_page_is_what_its_command_makes_from_its_json(page, tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)  # the commands name their JSONs from the repository root
-    commands = [shlex.split(line)[3:] for line in DOC.read_text().splitlines()
+    name = page.relative_to(REPO).as_posix()
+    commands = [shlex.split(line)[3:] for line in page.read_text().splitlines()
                 if line.startswith("python -m infer.results ")]
-    sections = DOC.read_text().count("<!-- /results:")
-    assert len(commands) == sections >= 10, "a render command above every marked section"
+    sections = page.read_text().count("<!-- /results:")
+    assert len(commands) == sections >= 1, "a render command above every marked section"
+    # a command writes the page it is written on: docs/results.md by default, a history page by --doc
+    assert all((argv[argv.index("--doc") + 1] if "--doc" in argv else results.DOC) == name for argv in commands)
     copy = tmp_path / "results.md"
-    copy.write_text(DOC.read_text())
+    copy.write_text(page.read_text())
     for argv in commands:
         assert results.main([*argv, "--doc", str(copy)]) == 0, argv
-    assert copy.read_text() == DOC.read_text(), "docs/results.md is stale: run the render commands written in it"
+    assert copy.read_text() == page.read_text(), f"{name} is stale: run the render commands written in it"
     json_files = {a for argv in commands for a in argv if a.endswith(".json")}
     assert all((REPO / f).is_file() for f in json_files)
+
+
+def test_docs_results_holds_todays_figures_one_table_per_question():
+    assert len(PAGES) > 1  # the moved sections were found in docs/history/
+    assert len(DOC.read_text().splitlines()) <= 300, \
+        "docs/results.md holds one table per question: move older sections to docs/history/ as they are"
