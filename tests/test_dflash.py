@@ -319,3 +319,22 @@ def test_bad_checkpoints_are_one_line_each(qwen3, written, tmp_path, case, edit,
         load_heads(tmp_path, base)
     assert message in str(e.value), str(e.value)
     assert_one_line(e)
+
+
+@pytest.mark.parametrize("tree", ["widths:3,2,1", "dynamic:7"])
+def test_speculative_sampling_has_the_base_distribution(monkeypatch, tree):
+    """test_spec_sampling's chi-square check (24,576 samples of 4 tokens against the exact joint) with a
+    DFlash drafter of block 4, on a static and a dynamic tree. Its logits are tripled
+    (output_multiplier 3): a random drafter's flat distributions would fill a dynamic tree's budget at
+    depth 1 and leave the deeper drafts untested."""
+    import test_spec_sampling as spec
+    from clover_jax.engine.sampling import SamplingConfig
+    from clover_jax.model.config import ModelConfig
+    from clover_jax.model.llama import Llama
+
+    base = spec.noisy(Llama(ModelConfig.tiny(vocab_size=spec.VOCAB), rngs=nnx.Rngs(0)), 0.35, seed=1, replace=True)
+    monkeypatch.setattr(spec, "noisy_heads", lambda base, method: spec.noisy(
+        make_drafter(drafter_config(method, 3, output_multiplier=3.0), base, seed=2), 0.05, seed=3, replace=False))
+    sampling = SamplingConfig(temperature=1.0)
+    pv = spec.p_values(spec.sample_tokens(base, "dflash", sampling, tree), spec.exact_joint(base, sampling))
+    assert min(pv.values()) > 1e-3, pv
