@@ -45,8 +45,8 @@ DRAFT = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "int
          "rms_norm_eps": 1e-5, "rope_theta": 50000.0}
 
 
-def authors_model(base, seed: int = 0, **dflash_config):
-    """A random DFlashDraftModel (the authors' class) for `base`, at weights of order one."""
+def authors_model(base, seed: int = 0, cls_name: str = "DFlashDraftModel", **dflash_config):
+    """A random DFlashDraftModel (the authors' class, or `cls_name`) for `base`, at weights of order one."""
     from transformers import Qwen3Config
 
     cfg = Qwen3Config(vocab_size=base.cfg.vocab_size, hidden_size=base.cfg.hidden_size, num_hidden_layers=2,
@@ -54,7 +54,7 @@ def authors_model(base, seed: int = 0, **dflash_config):
     cfg.num_target_layers = base.cfg.num_layers
     cfg.dflash_config = {"block_size": BLOCK, "target_layer_ids": [0, 1], "mask_token_id": MASK, **dflash_config}
     torch.manual_seed(seed)
-    model = dflash_model.DFlashDraftModel(cfg).to(torch.float32).eval()
+    model = getattr(dflash_model, cls_name)(cfg).to(torch.float32).eval()
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -291,7 +291,7 @@ def test_exports_load_back_into_the_authors_model_and_ours(qwen3, written, tmp_p
     ("no mask token", {"dflash_config.mask_token_id": None}, "mask_token_id"),
     ("unknown option", {"dflash_config.block_rotation": 2}, "dflash_config has unknown key 'block_rotation'"),
     ("DFlash 2 key", {"dflash_config.selector_rank": 8}, "selector_rank is a DFlash 2 key"),
-    ("DFlash 2 model", {"architectures": ["DFlash2DraftModel"]}, "DFlash 2 is not implemented"),
+    ("DFlash 2 model", {"architectures": ["DFlash2DraftModel"]}, "dflash_config has no conv_kernel_size"),
     ("sliding layer", {"layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": True,
                        "sliding_window": 4}, "sliding_attention draft layers"),
     ("causal block", {"is_causal": True}, "is_causal True"),

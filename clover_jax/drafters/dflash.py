@@ -180,9 +180,25 @@ class DFlashDrafter(nnx.Module, Drafter):
         cap = self.hcfg.final_logit_softcapping
         return jnp.tanh(logits / cap) * cap if cap else logits
 
-    def _mlp(self, layer: DecoderLayer, x, attn):
-        x = x + layer.self_attn.o_proj(attn.reshape(*attn.shape[:-2], -1))
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+    def layer_forward(self, i: int, x, attention):
+        """Draft layer i on blocks x [..., b, D]: pre-norm attention (`attention(layer, h)`: q and the
+        block's k/v of h [..., b, D] over the context, as [..., b, N, H]) and SwiGLU MLP, each around
+        `mix_in` / `mix_out` (nothing in DFlash; DFlash 2's convolutions)."""
+        layer = self.layers[i]
+        h, later = self.mix_in(i, "attention", layer.input_layernorm(x))
+        attn = attention(layer, h)
+        x = x + self.mix_out(i, "attention", layer.self_attn.o_proj(attn.reshape(*attn.shape[:-2], -1)), later)
+        h, later = self.mix_in(i, "mlp", layer.post_attention_layernorm(x))
+        return x + self.mix_out(i, "mlp", layer.mlp(h), later)
+
+    def mix_in(self, i: int, where: str, h):
+        """What enters layer i's attention or MLP (`where`) of its normed input h, and what `mix_out`
+        needs of it: h itself here."""
+        return h, None
+
+    def mix_out(self, i: int, where: str, out, later):
+        """What layer i's attention or MLP output adds to the residual stream: the output itself here."""
+        return out
 
     # ------------------------------------------------------------------ the engine's calls
 
@@ -211,17 +227,23 @@ class DFlashDrafter(nnx.Module, Drafter):
         positions = cache.lengths[:, None] + jnp.arange(b)[None, :]
         seen = jnp.arange(cache.max_len)[None, None, :] < (cache.lengths + b)[:, None, None]
         mask = jnp.broadcast_to(seen, (roots.shape[0], b, cache.max_len))
-        for i, layer in enumerate(self.layers):
-            q, k, v = layer.self_attn.project(layer.input_layernorm(x), positions)
-            x = self._mlp(layer, x, attend(q, k, v, mask, cache, i))
+        for i in range(len(self.layers)):
+            def attention(layer, h, i=i):
+                q, k, v = layer.self_attn.project(h, positions)
+                return attend(q, k, v, mask, cache, i)
+            x = self.layer_forward(i, x, attention)
         return self.norm(x[:, 1:])
 
     def expand(self, base: Llama, state: DFlashState, frontier: Frontier, vocab: DraftVocab | None = None):
         """The root runs the block; depth d's nodes share block position d + 1's logits [B, 1, V]."""
         if frontier.depth == 0:
             state = state.replace(block=self.run_block(base, state.cache, frontier.tokens[:, 0]))
-        d = frontier.depth
-        return self.scores(base, state.block[:, d : d + 1], vocab), None, state
+        return self.level_logits(base, state.block[:, frontier.depth], frontier.tokens, vocab), None, state
+
+    def level_logits(self, base: Llama, out, tokens, vocab: DraftVocab | None = None):
+        """The logits of a level's children from its block position's output out [B, D] and the level's
+        tokens [B, F]: [B, 1, V or N], shared by the level (DFlash 2 scores each node's own)."""
+        return self.scores(base, out[:, None], vocab)
 
     # ------------------------------------------------------------------ training
 
@@ -237,13 +259,20 @@ class DFlashDrafter(nnx.Module, Drafter):
         block_pos = (pos[:, :, None] + 1 + jnp.arange(b)[None, None, :]).reshape(bsz, t * b)
         x = self.block_input(base, shift_left(tokens, 1))  # [B, T, b, D]
         before = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]  # [T(query), T(context)]: context s <= t
-        for layer in self.layers:
+        def attention(layer, h):
             _, kc, vc = layer.self_attn.project(ctx, pos)  # [B, K, T, H]
-            q, kb, vb = layer.self_attn.project(layer.input_layernorm(x).reshape(bsz, t * b, -1), block_pos)
-            x = self._mlp(layer, x, _block_attention(q, kc, vc, kb, vb, before, b))
+            q, kb, vb = layer.self_attn.project(h.reshape(bsz, t * b, -1), block_pos)
+            return _block_attention(q, kc, vc, kb, vb, before, b)
+        for i in range(len(self.layers)):
+            x = self.layer_forward(i, x, attention)
         k = self.depth if steps is None else min(steps, self.depth)
         out = jnp.moveaxis(self.norm(x[:, :, 1 : k + 1]), 2, 0)  # [K, B, T, D]
-        return out, self.scores(base, out, vocab)
+        return out, self.train_logits(base, out, tokens, vocab)
+
+    def train_logits(self, base: Llama, out, tokens, vocab: DraftVocab | None = None):
+        """[K, B, T, V or N] the logits training scores of the outputs out [K, B, T, D] of the blocks
+        over windows tokens [B, T]: the shared ones decoding drafts from."""
+        return self.scores(base, out, vocab)
 
 
 def _block_attention(q, kc, vc, kb, vb, before, b: int) -> jax.Array:
