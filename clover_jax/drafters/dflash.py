@@ -105,10 +105,10 @@ class DFlashConfig(DrafterConfig):
 
 
 def draft_layer_config(base_cfg: ModelConfig, hcfg: DFlashConfig) -> ModelConfig:
-    """The draft layers' config: Qwen3 layers (q/k norms) of the base model's width, shaped as
-    hcfg.draft_layer says (or as the base model's layers)."""
+    """The draft layers' config: Qwen3 layers (q/k norms, no q/k/v bias) of the base model's width, shaped
+    as hcfg.draft_layer says (or as the base model's layers)."""
     cfg = layer_config(base_cfg, hcfg.draft_layer)
-    return dataclasses.replace(cfg, model_type="qwen3", qk_norm=True, num_layers=hcfg.draft_layers)
+    return dataclasses.replace(cfg, model_type="qwen3", qk_norm=True, qkv_bias=False, num_layers=hcfg.draft_layers)
 
 
 @flax.struct.dataclass
