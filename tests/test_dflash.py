@@ -122,7 +122,7 @@ def committed(base, drafter, seq, following, start=0, state=None, count=None):
     token there), from a forward over the whole of seq; `count` of them kept (default all)."""
     tokens = jnp.asarray([seq], jnp.int32)
     out, _ = prefill(base, tokens, jnp.asarray([len(seq)]), len(seq) + 8, feature_layers=drafter.feature_layers)
-    state = drafter.init(base, 1, 64) if state is None else state
+    state = drafter.init(base, 1, len(seq) + 64) if state is None else state
     new = Committed(out.hidden[:, start:], out.hidden_normed[:, start:], jnp.asarray([following[start:]], jnp.int32),
                     out.features[:, start:])
     n = len(seq) - start if count is None else count
