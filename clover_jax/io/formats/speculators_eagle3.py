@@ -1,6 +1,7 @@
 """EAGLE-3 drafters in vLLM's `speculators` format (`src/speculators/models/eagle3/`), which vLLM serves.
 
-config.json: architectures ["Eagle3Speculator"], speculators_model_type "eagle3", speculators_config
+config.json: architectures ["Eagle3Speculator"] (or ["Eagle3DraftModel"], the class name speculators 0.9
+saves under), speculators_model_type "eagle3", speculators_config
 {algorithm, proposal_methods, default_proposal_method, verifier {name_or_path, architectures}},
 transformer_layer_config (the draft layer's LlamaConfig, written with only the keys that differ from
 its defaults), draft_vocab_size, target_hidden_size, eagle_aux_hidden_state_layer_ids and the switches
@@ -9,6 +10,11 @@ before the FC), norm_output (each step hands on, and scores, the normed output),
 and norm_before_fc (one RMSNorm over the concatenated features), refused. Tensors (safetensors):
 embed_tokens (the target's: checked, not read), fc, layers.0.* (input_layernorm and hidden_norm inside
 the layer), norm, lm_head, d2t, t2d; verifier_norm/verifier_lm_head when present are the target's too.
+
+What every transformers or speculators config carries and changes nothing in the drafting (NEUTRAL_KEYS,
+the proposal methods' vLLM acceptance settings) is read past; tie_word_embeddings true and a
+sliding-window draft layer shorter than the base model's context (speculators' trainer's default) are
+refused by name.
 
 Its feature layer ids are Hugging Face hidden_states indices (vLLM captures the state entering layer
 id; id L is the last layer's output): the output of decoder layer id - 1 in our terms. Without them it
@@ -44,19 +50,22 @@ NAME = "speculators"
 METHOD = "eagle3"
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 ARCHITECTURE = "Eagle3Speculator"
+ARCHITECTURES = (ARCHITECTURE, "Eagle3DraftModel")  # the name vLLM reads; the class speculators 0.9 saves
 SWITCHES = ("norm_before_residual", "fc_norm", "norm_output")  # speculators' names, which are ours
 # Top-level keys read here, or that change nothing about drafting (training settings, bookkeeping).
 NEUTRAL_KEYS = ("architectures", "speculators_model_type", "speculators_version", "speculators_config",
                 "transformer_layer_config", "draft_vocab_size", "target_hidden_size",
                 "eagle_aux_hidden_state_layer_ids", "embed_requires_grad", "torch_dtype", "dtype",
-                "transformers_version", "auto_map", "_name_or_path", "has_no_defaults_at_init")
+                "transformers_version", "auto_map", "_name_or_path", "has_no_defaults_at_init",
+                "tie_word_embeddings")
 
 
 def matches(folder: Path) -> bool:
     """A config.json of the speculators library (its model type, its config block or its architecture)."""
     config = read_config(folder, strict=False)
     archs = config.get("architectures") if isinstance(config.get("architectures"), list) else []
-    return "speculators_model_type" in config or "speculators_config" in config or ARCHITECTURE in archs
+    named = any(a in archs for a in ARCHITECTURES)
+    return "speculators_model_type" in config or "speculators_config" in config or named
 
 
 def _config(folder: Path, base: Llama) -> Eagle3Config:
@@ -65,9 +74,12 @@ def _config(folder: Path, base: Llama) -> Eagle3Config:
     kind = config.get("speculators_model_type")
     if kind != "eagle3":
         raise CloverError(f"{where}: speculators_model_type {kind!r} is not one we read (eagle3)")
-    if config.get("architectures", [ARCHITECTURE]) != [ARCHITECTURE]:
+    if config.get("architectures", [ARCHITECTURE]) not in [[a] for a in ARCHITECTURES]:
         raise CloverError(f"{where}: architectures {config['architectures']!r}, but a speculators EAGLE-3 drafter "
-                          f"is [{ARCHITECTURE!r}]")
+                          f"is [{ARCHITECTURES[0]!r}] or [{ARCHITECTURES[1]!r}]")
+    if config.get("tie_word_embeddings", False) is not False:
+        raise CloverError(f"{where}: tie_word_embeddings {config['tie_word_embeddings']!r} (an lm_head tied to the "
+                          "embeddings, which speculators never writes) is not implemented")
     if config.get("norm_before_fc", False) is not False:
         raise CloverError(f"{where}: norm_before_fc {config['norm_before_fc']!r} (one RMSNorm over the concatenated "
                           "features) is not implemented")
@@ -86,6 +98,12 @@ def _config(folder: Path, base: Llama) -> Eagle3Config:
     if "model_type" not in layer:
         raise CloverError(f"{where}: transformer_layer_config names no model_type, which speculators reads as "
                           "Qwen3's (q/k norms in the draft layer): not implemented")
+    window = layer.get("sliding_window")
+    if "sliding_attention" in (layer.get("layer_types") or ()) and not (
+            isinstance(window, int) and window >= base.cfg.max_position_embeddings):
+        raise CloverError(f"{where}: transformer_layer_config.layer_types has a sliding_attention draft layer (a "
+                          f"window of {window!r} tokens, shorter than the base model's context), which is not "
+                          "implemented; train it with --full-attention-indices 0")
     d = base.cfg.hidden_size
     if config.get("target_hidden_size") not in (None, d):
         raise CloverError(f"{where}: target_hidden_size {config['target_hidden_size']}, but the base model's hidden "
