@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from clover_jax.drafters import registry
 from clover_jax.model.config import ModelConfig
 from clover_jax.engine.decode import Generator
 from clover_jax.drafters.vocab import DraftVocab, resolve_size
-from clover_jax.drafters.heads import HeadsConfig, make_heads
+from clover_jax.drafters.heads import make_heads
+from clover_jax.drafters.registry import drafter_config
 from clover_jax.model.llama import Llama
 from clover_jax.model.sharding import param_sharding
 from clover_jax.engine.speculative import SpeculativeGenerator
@@ -77,7 +77,7 @@ def shape_step_times(shape: str, layers: int | None, configs: list[tuple[str, st
         if method == "plain":
             gen = Generator(model, max_len=prompt_len + max_new, mesh=mesh)
         else:
-            heads = make_heads(HeadsConfig(method, registry.get(method).depth), model, seed=seed)
+            heads = make_heads(drafter_config(method), model, seed=seed)
             size = resolve_size(dv, no_counts, cfg.vocab_size)  # auto: the whole vocabulary, as no counts give
             vocab = DraftVocab.most_frequent(model.lm_head_weight(), no_counts, size) if size else None
             gen = SpeculativeGenerator(model, heads, resolve_tree(tree, method, heads.num_heads),

@@ -38,7 +38,8 @@ from transformers import (
 from clover_jax.io.hf import load_pretrained
 from clover_jax.engine.decode import Generator
 from clover_jax.engine.drafting import draft_tree
-from clover_jax.drafters.heads import Heads, HeadsConfig, HeadsState
+from clover_jax.drafters.heads import Heads, HeadsState
+from clover_jax.drafters.registry import drafter_config
 from clover_jax.engine.sampling import SamplingConfig
 from train import make_data
 from train import tokenizer as tokenizer_lib
@@ -355,7 +356,7 @@ class TableHeads(Heads):
     table[k, t], whatever the context (no state, no Augmenting Block)."""
 
     def __init__(self, base_cfg, table):
-        super().__init__(HeadsConfig("clover", table.shape[0]), base_cfg, [])
+        super().__init__(drafter_config("clover", table.shape[0]), base_cfg, [])
         self.table = nnx.Param(jnp.asarray(table, jnp.float32))
 
     def context(self, base, hidden, hidden_normed, next_tokens, positions, mask, cache):

@@ -13,7 +13,8 @@ from flax import nnx
 from clover_jax.model.config import ModelConfig
 from clover_jax.engine.decode import Generator
 from clover_jax.drafters.vocab import DraftVocab
-from clover_jax.drafters.heads import HeadsConfig, make_heads
+from clover_jax.drafters.heads import make_heads
+from clover_jax.drafters.registry import drafter_config
 from clover_jax.model.llama import Llama
 from clover_jax.model.sharding import describe_mesh, make_mesh
 from clover_jax.engine.speculative import SpeculativeGenerator
@@ -25,7 +26,7 @@ PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14], [15], [16, 17]
 
 def build(mesh_spec):
     base = Llama(CFG, rngs=nnx.Rngs(0))
-    heads = make_heads(HeadsConfig("clover2", 3), base, seed=1)
+    heads = make_heads(drafter_config("clover2", 3), base, seed=1)
     mesh = None if mesh_spec is None else make_mesh(mesh_spec)
     return base, heads, mesh
 
@@ -47,7 +48,7 @@ def run(mesh_spec, everything: bool):
         return result
     vocab = DraftVocab.most_frequent(base.lm_head_weight(), None, 32)
     vocab_gen = SpeculativeGenerator(base, heads, resolve_tree("chain:3", "clover2", 3), mesh=mesh, draft_vocab=vocab)
-    eagle = make_heads(HeadsConfig("eagle3", 3), base, seed=1)
+    eagle = make_heads(drafter_config("eagle3", 3), base, seed=1)
     eagle_out = SpeculativeGenerator(base, eagle, resolve_tree("eagle2:6,3,3", "eagle3", 3), mesh=mesh).generate(
         PROMPTS, 8, eos_ids=())
     shown = []  # streaming: the tokens the host was handed after each step

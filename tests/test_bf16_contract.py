@@ -32,7 +32,8 @@ import pytest
 from flax import nnx
 
 from clover_jax.drafters import registry
-from clover_jax.drafters.heads import HeadsConfig, make_heads
+from clover_jax.drafters.heads import make_heads
+from clover_jax.drafters.registry import drafter_config
 from clover_jax.engine.decode import Generator, prefill
 from clover_jax.engine.speculative import SpeculativeGenerator
 from clover_jax.model.cache import causal_mask
@@ -100,7 +101,7 @@ def test_bfloat16_texts_part_from_plain_only_at_near_ties_of_the_base_model():
         base = base_model(seed)
         plain = Generator(base).generate(PROMPTS, MAX_NEW, eos_ids=[]).tokens
         for method, spec in METHODS:
-            heads = perturb(make_heads(HeadsConfig(method, registry.get(method).depth), base, seed=3), seed=4)
+            heads = perturb(make_heads(drafter_config(method, registry.get(method).depth), base, seed=3), seed=4)
             gen = SpeculativeGenerator(base, heads, resolve_tree(spec, method, heads.num_heads))
             out = gen.generate(PROMPTS, MAX_NEW, eos_ids=[])
             assert out.tau > 1  # verification passes of several rows did run

@@ -16,7 +16,8 @@ from clover_jax.model.config import ModelConfig
 from clover_jax.io.hf import save_pretrained
 from clover_jax.errors import CloverError
 from clover_jax.io.files import atomic_path, write_text
-from clover_jax.drafters.heads import HeadsConfig, make_heads
+from clover_jax.drafters.heads import make_heads
+from clover_jax.drafters.registry import drafter_config
 from clover_jax.model.llama import Llama
 
 
@@ -27,7 +28,7 @@ def base():
 
 @pytest.mark.parametrize("method", ["medusa", "clover", "clover2", "eagle", "eagle3"])
 def test_round_trip_is_exact(method, base, tmp_path):
-    heads = make_heads(HeadsConfig(method, 3, draft_vocab=20 if method == "eagle3" else 0), base, seed=7)
+    heads = make_heads(drafter_config(method, 3, draft_vocab=20 if method == "eagle3" else 0), base, seed=7)
     if method == "eagle3":  # its draft token ids are saved with its parameters
         heads.set_vocab(base, jnp.arange(20, dtype=jnp.int32) * 3)
     save_heads(heads, base, tmp_path, extra={"note": "x"})
@@ -43,7 +44,7 @@ def test_saved_files_take_the_umask_like_any_new_file(base, tmp_path):
     """safetensors creates files owner-only; exported heads and models are readable as the umask says."""
     old = os.umask(0o022)
     try:
-        save_heads(make_heads(HeadsConfig("medusa", 1), base), base, tmp_path / "heads")
+        save_heads(make_heads(drafter_config("medusa", 1), base), base, tmp_path / "heads")
         save_pretrained(base, tmp_path / "model")
     finally:
         os.umask(old)
@@ -66,7 +67,7 @@ def _one_line(err: pytest.ExceptionInfo) -> str:
 
 @pytest.mark.parametrize("method", ["clover", "eagle3"])
 def test_wrong_base_and_wrong_method_are_refused(base, tmp_path, method):
-    save_heads(make_heads(HeadsConfig(method, 2), base), base, tmp_path)
+    save_heads(make_heads(drafter_config(method, 2), base), base, tmp_path)
     with pytest.raises(CloverError, match="trained for another base model") as err:
         load_heads(tmp_path, Llama(base.cfg, rngs=nnx.Rngs(3)))
     _one_line(err)
@@ -85,7 +86,7 @@ def test_wrong_base_and_wrong_method_are_refused(base, tmp_path, method):
     ("misshaped_tensor", "has shape"),
 ])
 def test_damaged_heads_directory_is_one_clear_line(damage, message, base, tmp_path):
-    save_heads(make_heads(HeadsConfig("medusa", 2), base), base, tmp_path)
+    save_heads(make_heads(drafter_config("medusa", 2), base), base, tmp_path)
     meta_path, weights_path = tmp_path / "heads.json", tmp_path / WEIGHTS
     tensors = load_file(str(weights_path))
     name = sorted(tensors)[0]
@@ -111,7 +112,7 @@ def test_damaged_heads_directory_is_one_clear_line(damage, message, base, tmp_pa
 
 
 def test_draft_ids_outside_the_vocabulary_are_one_clear_line(base, tmp_path):
-    save_heads(make_heads(HeadsConfig("eagle3", 2, draft_vocab=8), base), base, tmp_path)
+    save_heads(make_heads(drafter_config("eagle3", 2, draft_vocab=8), base), base, tmp_path)
     tensors = load_file(str(tmp_path / WEIGHTS))
     save_file({**tensors, "ids": np.arange(8, dtype=np.int32) + base.cfg.vocab_size - 4}, str(tmp_path / WEIGHTS))
     with pytest.raises(CloverError, match="draft token ids .* not distinct ids of the vocabulary") as err:
@@ -124,7 +125,7 @@ def test_eagle3_heads_name_their_feature_layers_and_old_ones_keep_theirs(base, t
     before it named them loads with the layers those heads were trained on (one higher)."""
     from clover_jax.model.llama import eagle3_layers, legacy_eagle3_layers
 
-    save_heads(make_heads(HeadsConfig("eagle3", 2), base), base, tmp_path)
+    save_heads(make_heads(drafter_config("eagle3", 2), base), base, tmp_path)
     meta = json.loads((tmp_path / CONFIG).read_text())
     layers = eagle3_layers(base.cfg.num_layers)
     assert meta["heads"]["aux_layer_ids"] == list(layers) and load_heads(tmp_path, base).feature_layers == layers
@@ -132,7 +133,7 @@ def test_eagle3_heads_name_their_feature_layers_and_old_ones_keep_theirs(base, t
     (tmp_path / CONFIG).write_text(json.dumps(meta))
     assert load_heads(tmp_path, base).feature_layers == legacy_eagle3_layers(base.cfg.num_layers)
     with pytest.raises(CloverError, match="aux_layer_ids .* layers the .*-layer base model does not have") as err:
-        make_heads(HeadsConfig("eagle3", 2, aux_layer_ids=(0, 1, base.cfg.num_layers)), base)
+        make_heads(drafter_config("eagle3", 2, aux_layer_ids=(0, 1, base.cfg.num_layers)), base)
     _one_line(err)
 
 

@@ -60,7 +60,8 @@ def test_speculative_methods_print_the_plain_text(method, model_dir, hf_tok, lib
     """Greedy speculative decoding through the CLI: the same text as plain decoding, from random heads
     and from a heads directory written by `save_heads`; heads of another base model are refused."""
     from clover_jax.io.heads_dir import save_heads
-    from clover_jax.drafters.heads import HeadsConfig, make_heads
+    from clover_jax.drafters.heads import make_heads
+    from clover_jax.drafters.registry import drafter_config
 
     prompt = "def add(a, b):"
     [tokens] = library([hf_tok(prompt)["input_ids"]])
@@ -72,7 +73,7 @@ def test_speculative_methods_print_the_plain_text(method, model_dir, hf_tok, lib
     _, model = load_pretrained(model_dir)
     counts = np.zeros(model.cfg.vocab_size, np.int64)
     counts[tokens] = 1  # the continuation's own tokens: auto drafts from them (rounded up to 128 ids)
-    save_heads(make_heads(HeadsConfig(method, 2), model, seed=1), model, tmp_path / "heads", token_counts=counts)
+    save_heads(make_heads(drafter_config(method, 2), model, seed=1), model, tmp_path / "heads", token_counts=counts)
     code, out, err = run_cli(capsys, "--model", model_dir, "--prompt", prompt, "--max-new-tokens", NEW,
                              "--method", method, "--heads", tmp_path / "heads")
     assert (code, out) == (0, expected), err
@@ -85,7 +86,7 @@ def test_speculative_methods_print_the_plain_text(method, model_dir, hf_tok, lib
     assert code == 2 and "carry no token counts" in err and err.count("\n") == 1
     code, out, err = run_cli(capsys, "--model", model_dir, "--prompt", prompt, "--method", method)
     assert code == 2 and err.startswith(f"error: no {method} heads at") and err.count("\n") == 1
-    other = make_heads(HeadsConfig(method, 2), Llama(model.cfg, rngs=nnx.Rngs(5)))
+    other = make_heads(drafter_config(method, 2), Llama(model.cfg, rngs=nnx.Rngs(5)))
     save_heads(other, Llama(model.cfg, rngs=nnx.Rngs(5)), tmp_path / "other")
     code, out, err = run_cli(capsys, "--model", model_dir, "--prompt", prompt, "--method", method,
                              "--heads", tmp_path / "other")
@@ -98,11 +99,12 @@ def test_auto_decodes_plain_where_no_chain_of_the_heads_pays(model_dir, hf_tok, 
     step greedy, and decodes plain when sampling, writing what plain decoding writes with the same seed,
     and the statistics line says so. A tree asked for by name still drafts."""
     from clover_jax.io.heads_dir import CONFIG, save_heads
-    from clover_jax.drafters.heads import HeadsConfig, make_heads
+    from clover_jax.drafters.heads import make_heads
+    from clover_jax.drafters.registry import drafter_config
 
     _, model = load_pretrained(model_dir)
     heads = tmp_path / "heads"
-    save_heads(make_heads(HeadsConfig("medusa", 2), model, seed=1), model, heads)
+    save_heads(make_heads(drafter_config("medusa", 2), model, seed=1), model, heads)
     meta = json.loads((heads / CONFIG).read_text())
     meta["held_out"] = {"val_chain_tau_by_depth": [1.3, 1.33]}
     (heads / CONFIG).write_text(json.dumps(meta))

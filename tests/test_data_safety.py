@@ -21,7 +21,8 @@ import safetensors
 from flax import nnx
 
 from clover_jax import _cli as cli
-from clover_jax.drafters.heads import HeadsConfig, make_heads
+from clover_jax.drafters.heads import make_heads
+from clover_jax.drafters.registry import drafter_config
 from clover_jax.errors import CloverError
 from clover_jax.io import files, gguf, heads_dir, hf
 from clover_jax.io.heads_dir import load_draft_vocab, load_fitted_tree, load_heads, read_heads_config, save_heads
@@ -180,7 +181,7 @@ def test_new_hidden_state_arrays_are_allocated_not_sparse(tmp_path):
 # 2. A heads export is one set: a kill between its renames is refused, never loaded as a mix.
 
 def _heads(base, seed):
-    return make_heads(HeadsConfig("medusa", 2), base, seed=seed)
+    return make_heads(drafter_config("medusa", 2), base, seed=seed)
 
 
 def _weights(heads):

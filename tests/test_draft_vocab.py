@@ -12,7 +12,8 @@ from clover_jax.io.heads_dir import COUNTS, load_draft_vocab, load_token_counts,
 from clover_jax.model.config import ModelConfig
 from clover_jax.drafters.vocab import ALIGN, AUTO_MASS_COVERAGE, DraftVocab, parse_size, probability_mass, ranking, resolve_size, token_counts
 from clover_jax.errors import CloverError
-from clover_jax.drafters.heads import HeadsConfig, make_heads
+from clover_jax.drafters.heads import make_heads
+from clover_jax.drafters.registry import drafter_config
 from clover_jax.model.llama import Llama
 from conftest import assert_one_line
 
@@ -113,7 +114,7 @@ def base():
 
 
 def test_counts_are_saved_beside_the_heads_and_replaced_with_them(base, tmp_path):
-    heads = make_heads(HeadsConfig("medusa", 1), base)
+    heads = make_heads(drafter_config("medusa", 1), base)
     v = base.cfg.vocab_size
     assert load_token_counts(tmp_path, v) is None  # heads exported before counts existed
     counts = np.arange(v)
@@ -126,7 +127,7 @@ def test_counts_are_saved_beside_the_heads_and_replaced_with_them(base, tmp_path
 def test_sampling_drafts_from_the_probability_mass_saved_beside_the_heads(base, tmp_path):
     """The counts rank tokens for greedy decoding and the probability mass for sampling; heads exported
     before the mass existed still sample over the whole vocabulary under `auto`."""
-    heads = make_heads(HeadsConfig("medusa", 1), base)
+    heads = make_heads(drafter_config("medusa", 1), base)
     v = base.cfg.vocab_size
     counts = np.zeros(v, np.int64)
     counts[:4] = 10  # greedy text uses four tokens

@@ -18,9 +18,10 @@ from clover_jax.model.cache import KVCache, causal_mask, tree_mask
 from clover_jax.model.config import ModelConfig
 from clover_jax.engine.decode import Generator, prefill
 from clover_jax.drafters.vocab import DraftVocab
-from clover_jax.drafters.base import Committed, Drafter, Frontier
+from clover_jax.drafters.base import Committed, Drafter, DrafterConfig, Frontier
 from clover_jax.engine.drafting import draft_tree
-from clover_jax.drafters.heads import HeadsConfig, make_heads
+from clover_jax.drafters.heads import make_heads
+from clover_jax.drafters.registry import drafter_config
 from clover_jax.drafters.losses import cross_entropy
 from clover_jax.model.layers import DecoderLayer, Linear
 from clover_jax.model.llama import Llama
@@ -48,8 +49,9 @@ class TinyEagle(nnx.Module, Drafter):
     committed entries and its ancestors'; the root's entry is the last committed one."""
 
     feature_layers = (0, -1)
+    chained = True
 
-    def __init__(self, hcfg: HeadsConfig, base: Llama, *, rngs: nnx.Rngs):
+    def __init__(self, hcfg: DrafterConfig, base: Llama, *, rngs: nnx.Rngs):
         d, dtype = base.cfg.hidden_size, base.dtype
         self.hcfg = hcfg
         self.fuse = Linear(2 * d, d, ("embed", "embed_out"), dtype=dtype, rngs=rngs)
@@ -91,8 +93,8 @@ class TinyEagle(nnx.Module, Drafter):
         return (base.logits(normed) if vocab is None else vocab.logits(normed)), out, state
 
 
-TINY_EAGLE = registry.register(registry.Method("tiny-eagle", TinyEagle, depth=3, tree="eagle_mc_sim_7b_63",
-                                             loss=cross_entropy, chained=True))
+TINY_EAGLE = registry.register(registry.Method("tiny-eagle", TinyEagle, DrafterConfig, depth=3,
+                                             tree="eagle_mc_sim_7b_63", loss=cross_entropy))
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +109,7 @@ def plain(base):
 
 
 def perturbed(method: str, base: Llama, depth: int):
-    drafter = make_heads(HeadsConfig(method, depth), base, seed=3)
+    drafter = make_heads(drafter_config(method, depth), base, seed=3)
     leaves, treedef = jax.tree.flatten(nnx.state(drafter, nnx.Param))
     keys = jax.random.split(jax.random.key(4), len(leaves))
     nnx.update(drafter, jax.tree.unflatten(treedef, [x + 0.3 * jax.random.normal(k, x.shape, x.dtype)
@@ -116,12 +118,12 @@ def perturbed(method: str, base: Llama, depth: int):
 
 
 def test_a_drafter_registers_as_itself(base):
-    drafter = make_heads(HeadsConfig("tiny-eagle", 3), base)
+    drafter = make_heads(drafter_config("tiny-eagle", 3), base)
     assert isinstance(drafter, TinyEagle) and registry.get("tiny-eagle") is TINY_EAGLE
     assert "tiny-eagle" in registry.names() and "tiny-eagle" not in HEADS
     assert resolve_tree("default", "tiny-eagle", 3).max_depth == 3
     with pytest.raises(Exception, match="unknown method 'eagle-9'"):
-        HeadsConfig("eagle-9", 3)
+        drafter_config("eagle-9", 3)
 
 
 def test_only_draft_models_draft_past_their_depth(base):
@@ -195,7 +197,7 @@ def test_eagle3_over_a_draft_vocabulary_decodes_as_plain(base, plain, batch):
     greedy output still equals plain decoding."""
     counts = np.bincount(np.concatenate(plain), minlength=base.cfg.vocab_size)
     own = np.flatnonzero(counts)[::2]
-    drafter = make_heads(HeadsConfig("eagle3", 3, draft_vocab=len(own)), base, seed=3)
+    drafter = make_heads(drafter_config("eagle3", 3, draft_vocab=len(own)), base, seed=3)
     drafter.set_vocab(base, own)
     leaves, treedef = jax.tree.flatten(nnx.state(drafter, nnx.Param))
     keys = jax.random.split(jax.random.key(4), len(leaves))

@@ -14,7 +14,7 @@ from clover_jax.model.config import ModelConfig
 from clover_jax.drafters.vocab import DraftVocab
 from clover_jax.drafters.base import Committed
 from clover_jax.errors import CloverError
-from clover_jax.drafters.heads import HeadsConfig
+from clover_jax.drafters.registry import drafter_config
 from clover_jax.model.llama import Llama, causal_self_mask
 from test_drafter import chain_logits, perturbed
 from clover_jax.drafters.eagle3 import eagle3_loss
@@ -60,7 +60,7 @@ def test_eagle3_scores_only_its_draft_vocabulary(base):
     and its loss learns the base distribution restricted to those ids."""
     drafter = perturbed("eagle3", base, 2)
     ids = jnp.asarray([3, 5, 8, 13, 21, 34], jnp.int32)
-    small = type(drafter)(HeadsConfig("eagle3", 2, draft_vocab=6), base, rngs=nnx.Rngs(0))
+    small = type(drafter)(drafter_config("eagle3", 2, draft_vocab=6), base, rngs=nnx.Rngs(0))
     small.set_vocab(base, ids)
     np.testing.assert_array_equal(np.asarray(small.lm_head.kernel[...]), np.asarray(base.lm_head_weight()[ids].T))
     logits = small.logits(base, jnp.ones((2, base.cfg.hidden_size)))
@@ -89,7 +89,7 @@ def test_eagle3_drafts_a_draft_vocabulary_from_its_own_rows(base):
     its own lm_head rows alone: the same logits as its full scoring, taken at those ids."""
     drafter = perturbed("eagle3", base, 2)
     own = jnp.asarray([3, 5, 8, 13, 21, 34], jnp.int32)
-    small = type(drafter)(HeadsConfig("eagle3", 2, draft_vocab=6), base, rngs=nnx.Rngs(0))
+    small = type(drafter)(drafter_config("eagle3", 2, draft_vocab=6), base, rngs=nnx.Rngs(0))
     small.set_vocab(base, own)
     small.lm_head.kernel[...] += 0.05 * jax.random.normal(jax.random.key(3), small.lm_head.kernel[...].shape)
     asked = DraftVocab.most_frequent(base.lm_head_weight(), None, 16)  # ids 0..15: 3, 5, 8 and 13 are its own

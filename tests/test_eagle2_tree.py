@@ -14,7 +14,8 @@ import pytest
 from flax import nnx
 
 from clover_jax.drafters.base import Committed, Frontier
-from clover_jax.drafters.heads import Heads, HeadsConfig, make_heads
+from clover_jax.drafters.heads import Heads, make_heads
+from clover_jax.drafters.registry import drafter_config
 from clover_jax.engine.decode import prefill
 from clover_jax.engine.drafting import draft_tree
 from clover_jax.model.config import ModelConfig
@@ -40,7 +41,7 @@ class PathHeads(Heads):
     state's first entry seeds the hash."""
 
     def __init__(self, table, depth: int):
-        super().__init__(HeadsConfig("clover", depth), ModelConfig.tiny(vocab_size=VOCAB), [])
+        super().__init__(drafter_config("clover", depth), ModelConfig.tiny(vocab_size=VOCAB), [])
         self.table = nnx.Param(jnp.asarray(table, jnp.float32))
 
     def node_state(self, base, k, state, token):
@@ -168,8 +169,8 @@ def test_benchmark_rows_name_the_dynamic_tree_they_ran(monkeypatch):
     from infer import benchmark
 
     base = Llama(ModelConfig.tiny(), rngs=nnx.Rngs(1))
-    eagle3 = LoadedDrafter("eagle3", make_heads(HeadsConfig("eagle3", 3), base), None)
-    clover2 = LoadedDrafter("clover2", make_heads(HeadsConfig("clover2", 3), base), None)
+    eagle3 = LoadedDrafter("eagle3", make_heads(drafter_config("eagle3", 3), base), None)
+    clover2 = LoadedDrafter("clover2", make_heads(drafter_config("clover2", 3), base), None)
     plan = lambda drafter, spec: benchmark.planned(base, drafter, spec, "auto", "auto", False)[0]
     assert plan(eagle3, "eagle2") == "eagle2:60,10,7" and plan(clover2, "eagle2:26") == "eagle2:26,10,2"
     assert plan(clover2, "dynamic:26") == "dynamic:26,9"  # 3 heads: a beam of 9 fills 25 slots

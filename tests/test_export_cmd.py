@@ -17,7 +17,8 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from clover_jax.io import formats
-from clover_jax.drafters.heads import HeadsConfig, make_heads
+from clover_jax.drafters.heads import make_heads
+from clover_jax.drafters.registry import drafter_config
 from clover_jax.io.heads_dir import load_heads, save_heads
 from clover_jax.io.hf import load_pretrained
 from clover_jax.model.llama import causal_self_mask
@@ -153,7 +154,7 @@ def test_eagle3_heads_export_as_sglang_and_speculators_and_load_back_the_same(na
     """The export command on EAGLE-3 heads: each export is recognised as its format and reads back to our
     drafter's config, draft vocabulary and parameters."""
     base = _base(model_dir)
-    ours = make_heads(HeadsConfig("eagle3", 3, draft_vocab=40, aux_layer_ids=(0, 0, 0)), base, seed=2)
+    ours = make_heads(drafter_config("eagle3", 3, draft_vocab=40, aux_layer_ids=(0, 0, 0)), base, seed=2)
     ours.set_vocab(base, jnp.arange(3, 43, dtype=jnp.int32))
     save_heads(ours, base, tmp_path / "heads", extra={"training": {"base": str(model_dir)}})
     code, _, err = _run(export, capsys, "--heads", tmp_path / "heads", "--format", name, "--out", tmp_path / name)
@@ -183,7 +184,7 @@ def test_train_fine_tunes_a_published_eagle3_drafter_from_its_own_folder(model_d
     """--init-from a SpecForge/SGLang EAGLE-3 folder (no heads.json): the drafter trains on with its own
     feature layers and draft vocabulary, and its exported heads start from the published weights."""
     base = _base(model_dir)
-    theirs = make_heads(HeadsConfig("eagle3", 3, draft_vocab=40, aux_layer_ids=(0, 0, 0)), base, seed=5)
+    theirs = make_heads(drafter_config("eagle3", 3, draft_vocab=40, aux_layer_ids=(0, 0, 0)), base, seed=5)
     theirs.set_vocab(base, jnp.arange(3, 43, dtype=jnp.int32))
     export.export(theirs, base, tmp_path / "published", "sglang")
     assert not (tmp_path / "published" / "heads.json").exists()
@@ -204,7 +205,7 @@ def test_evaluate_measures_a_published_drafter_and_refuses_to_record_into_it(mod
     from train import evaluate
 
     base = _base(model_dir)
-    theirs = make_heads(HeadsConfig("eagle3", 3, draft_vocab=40, aux_layer_ids=(0, 0, 0)), base, seed=5)
+    theirs = make_heads(drafter_config("eagle3", 3, draft_vocab=40, aux_layer_ids=(0, 0, 0)), base, seed=5)
     theirs.set_vocab(base, jnp.arange(3, 43, dtype=jnp.int32))
     export.export(theirs, base, tmp_path / "published", "sglang")
     argv = ["--heads", tmp_path / "published", "--base", model_dir, "--data", data, "--split", "all",

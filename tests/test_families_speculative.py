@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from clover_jax.drafters import registry
-from clover_jax.drafters.heads import HeadsConfig, make_heads
+from clover_jax.drafters.heads import make_heads
+from clover_jax.drafters.registry import drafter_config
 from clover_jax.engine.decode import Generator
 from clover_jax.engine.speculative import SpeculativeGenerator
 from clover_jax.trees.spec import resolve_tree
@@ -52,7 +53,7 @@ def tree_spec(spec: str, method: str) -> str:
 @pytest.mark.parametrize("family, method, spec, batch", CASES, ids=[f"{f}-{m}-{s}-b{b}" for f, m, s, b in CASES])
 def test_greedy_speculative_output_is_plain_greedy_output(loaded, plain, family, method, spec, batch):
     base = loaded(family)[3]
-    heads = perturb(make_heads(HeadsConfig(method, 4), base, seed=3), seed=4)
+    heads = perturb(make_heads(drafter_config(method, 4), base, seed=3), seed=4)
     gen = SpeculativeGenerator(base, heads, resolve_tree(tree_spec(spec, method), method, heads.num_heads))
     rows = list(range(len(PROMPTS)))[-batch:]
     out = gen.generate([PROMPTS[i] for i in rows], NEW, eos_ids=[])
@@ -69,12 +70,12 @@ def test_drafters_on_gemma3_start_from_the_right_layers(loaded):
     the local layer it is."""
     base = loaded("gemma3-kv1")[3]
     assert base.cfg.is_local(base.cfg.num_layers - 1)
-    eagle3 = make_heads(HeadsConfig("eagle3", 2), base)
+    eagle3 = make_heads(drafter_config("eagle3", 2), base)
     attn = eagle3.layer.self_attn
     assert attn.q_norm is None and attn.k_norm is None and attn.window is None
     assert attn.cfg.query_pre_attn_scalar is None and attn.cfg.hidden_act == "silu" and not attn.cfg.norm_unit_offset
     np.testing.assert_allclose(np.asarray(eagle3.norm.weight[...]), 1 + np.asarray(base.norm.weight[...]))
-    clover2 = make_heads(HeadsConfig("clover2", 2), base)
+    clover2 = make_heads(drafter_config("clover2", 2), base)
     last = base.layers[-1]
     for layer in clover2.aug:
         assert layer.self_attn.local and layer.self_attn.window == base.cfg.sliding_window

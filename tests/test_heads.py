@@ -17,7 +17,8 @@ from clover_jax.drafters import registry
 from clover_jax.model.cache import causal_mask
 from clover_jax.model.config import ModelConfig
 from clover_jax.errors import CloverError
-from clover_jax.drafters.heads import HeadsConfig, make_heads, token_embeddings
+from clover_jax.drafters.heads import make_heads, token_embeddings
+from clover_jax.drafters.registry import drafter_config
 from clover_jax.model.layers import to_stored
 from clover_jax.model.llama import Llama, causal_self_mask
 
@@ -61,7 +62,7 @@ def build(method: str, num_heads: int, seed: int = 0, randomised: bool = True, t
     config = ModelConfig.tiny(tie_word_embeddings=tied, **cfg)
     base = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
     randomise(base, seed + 100)
-    hcfg = HeadsConfig(method, num_heads, embed_source=embed_source)
+    hcfg = drafter_config(method, num_heads, embed_source=embed_source)
     if not randomised:
         return base, make_heads_jit(hcfg, base, seed + 1)
     heads = nnx.eval_shape(lambda: make_heads(hcfg, base, seed=seed + 1))
@@ -151,13 +152,16 @@ def close(got, want):
 
 def test_heads_config_defaults_and_errors():
     assert registry.get("clover").depth == 3 and registry.get("clover2").depth == 5
-    cfg = HeadsConfig("clover2", 5)
+    cfg = drafter_config("clover2", 5)
     assert cfg.embed_source == "lm_head" and cfg.noise == NOISE
-    assert [HeadsConfig(m, 1).aug_layers for m in ("medusa", "clover", "clover2")] == [0, 1, 2]
+    assert [registry.get(m).drafter.aug_layers for m in ("medusa", "clover", "clover2")] == [0, 1, 2]
+    assert {registry.get(m).chained for m in ("medusa", "clover", "clover2")} == {False}
+    assert registry.get("eagle").chained and registry.get("eagle3").chained
+    assert set(vars(drafter_config("medusa", 2))) == {"method", "num_heads", "head_layers", "own_lm_head"}
     for bad in (dict(method="eagle-9", num_heads=3), dict(method="clover", num_heads=0),
                 dict(method="clover2", num_heads=5, embed_source="output"), dict(method="eagle3", num_heads=2, draft_vocab=-1)):
         with pytest.raises(CloverError):
-            HeadsConfig(**bad)
+            drafter_config(**bad)
 
 
 # ---------------------------------------------------------------- forward formulas against NumPy

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from clover_jax.drafters.heads import HeadsConfig, make_heads
+from clover_jax.drafters.heads import make_heads
+from clover_jax.drafters.registry import drafter_config
 from clover_jax.errors import CloverError
 from clover_jax.io import formats
 from infer import generate
@@ -116,7 +117,7 @@ def test_bad_eagle1_drafters_are_one_line_each(base_dir, base, tmp_path):
     refused(lambda: formats.load_drafter(folder, base, "eagle3"), folder)  # an EAGLE-1 drafter is no EAGLE-3's
     # Ours read the state before the final norm, which the authors' format has no place for; a normed
     # one drafts but does not train (the loss regresses the pre-norm feature).
-    ours = make_heads(HeadsConfig("eagle", 2), base)
+    ours = make_heads(drafter_config("eagle", 2), base)
     message = refused(lambda: formats.exporter("eagle1").export(ours, base, tmp_path / "out"), tmp_path / "out")
     assert "before its final norm" in message
     imported = formats.load_drafter(folder, base)

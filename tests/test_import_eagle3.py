@@ -27,7 +27,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import clover_jax
 from clover_jax.drafters.base import Committed, Frontier
 from clover_jax.drafters.draft_model import NO_LOGIT
-from clover_jax.drafters.heads import HeadsConfig, make_heads
+from clover_jax.drafters.heads import make_heads
+from clover_jax.drafters.registry import drafter_config
 from clover_jax.errors import CloverError
 from clover_jax.io import formats
 from clover_jax.io.formats import weights
@@ -239,7 +240,7 @@ def test_exports_load_back_identically(case, out_format, base_dir, base, tmp_pat
     or speculators' format; for our own drafters too (their base-shaped layer, default feature layers);
     and an imported drafter saved as our heads (heads.json keeping its draft layer and switches)."""
     if case == "ours":
-        drafter = make_heads(HeadsConfig("eagle3", 7, draft_vocab=N), base, seed=5)
+        drafter = make_heads(drafter_config("eagle3", 7, draft_vocab=N), base, seed=5)
         drafter.set_vocab(base, jnp.asarray(np.sort(np.random.default_rng(0).permutation(base.cfg.vocab_size)[:N])))
     else:
         drafter = formats.load_drafter(make_case(case, tmp_path / "in", base_dir)[0], base)
@@ -335,7 +336,7 @@ def test_bad_drafters_are_one_line_each(base_dir, base, tmp_path, monkeypatch):
     switched = formats.load_drafter(make_case("speculators-switches", tmp_path / "sw", base_dir)[0], base)
     message = refused(lambda: formats.exporter("sglang").export(switched, base, tmp_path / "out"), tmp_path / "out")
     assert "norm_before_residual" in message
-    medusa = make_heads(HeadsConfig("medusa", 2), base)
+    medusa = make_heads(drafter_config("medusa", 2), base)
     refused(lambda: formats.exporter("speculators").export(medusa, base, tmp_path / "out"), tmp_path / "out")
 
 

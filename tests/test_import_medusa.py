@@ -24,7 +24,8 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 import reference_medusa
-from clover_jax.drafters.heads import HeadsConfig, make_heads
+from clover_jax.drafters.heads import make_heads
+from clover_jax.drafters.registry import drafter_config
 from clover_jax.drafters.vocab import DraftVocab
 from clover_jax.engine.decode import Generator
 from clover_jax.engine.speculative import SpeculativeGenerator
@@ -110,7 +111,7 @@ def test_medusa1_heads_give_medusas_own_logits(kind, layers, base, tmp_path, cap
 
 
 def test_our_heads_exported_and_imported_draft_identically(base, tmp_path):
-    ours = make_heads(HeadsConfig("medusa", 4), base, seed=1)
+    ours = make_heads(drafter_config("medusa", 4), base, seed=1)
     for block in ours.blocks:  # trained-looking blocks, not the zero initialisation
         block.linear.kernel[...] = 0.2 * jnp.asarray(np.random.default_rng(0).normal(size=block.linear.kernel.shape))
         block.linear.bias[...] = jnp.full(block.linear.bias.shape, 0.1)
@@ -332,11 +333,12 @@ def test_a_hub_id_offline_and_not_cached_is_one_line(tmp_path, monkeypatch):
 
 
 def test_heads_config_keeps_medusa_fields_to_medusa(base):
-    with pytest.raises(CloverError, match="describe Medusa heads"):
-        HeadsConfig("clover", 2, own_lm_head=True)
+    with pytest.raises(CloverError, match="Clover drafters have no option own_lm_head"):
+        drafter_config("clover", 2, own_lm_head=True)
+    assert not hasattr(drafter_config("clover", 2, own_lm_head=False), "own_lm_head")  # as older heads.json wrote it
     with pytest.raises(CloverError, match="must be an integer >= 1"):
-        HeadsConfig("medusa", 2, head_layers=0)
-    heads = make_heads(HeadsConfig("medusa", 2, head_layers=3, own_lm_head=True), base)
+        drafter_config("medusa", 2, head_layers=0)
+    heads = make_heads(drafter_config("medusa", 2, head_layers=3, own_lm_head=True), base)
     np.testing.assert_array_equal(np.asarray(heads.lm_heads[1].kernel[...]), np.asarray(base.lm_head_weight()).T)
 
 

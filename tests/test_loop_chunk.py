@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from clover_jax.drafters.heads import HeadsConfig, make_heads
+from clover_jax.drafters.heads import make_heads
+from clover_jax.drafters.registry import drafter_config
 from clover_jax.engine.decode import Generator
 from clover_jax.engine.sampling import SamplingConfig
 from clover_jax.engine.speculative import SpeculativeGenerator
@@ -32,7 +33,7 @@ SAMPLINGS = {"greedy": SamplingConfig(), "sampled": SamplingConfig(temperature=1
 
 def perturbed_heads(model):
     """Clover-2 heads moved off their identity-like init, so that they draft partly wrong tokens."""
-    heads = make_heads(HeadsConfig("clover2", 3), model, seed=0)
+    heads = make_heads(drafter_config("clover2", 3), model, seed=0)
     leaves, treedef = jax.tree.flatten(nnx.state(heads, nnx.Param))
     keys = jax.random.split(jax.random.key(7), len(leaves))
     nnx.update(heads, jax.tree.unflatten(treedef, [x + 0.05 * jax.random.normal(k, x.shape, x.dtype)

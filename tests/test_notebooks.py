@@ -72,12 +72,13 @@ def authors_eagle3(model, out):
     import torch
     from safetensors.torch import load_file
 
-    from clover_jax.drafters.heads import HeadsConfig, make_heads
+    from clover_jax.drafters.heads import make_heads
+    from clover_jax.drafters.registry import drafter_config
     from clover_jax.io import formats
     from clover_jax.io.hf import load_pretrained
 
     base = load_pretrained(model)[1]
-    drafter = make_heads(HeadsConfig("eagle3", 3, draft_vocab=64, aux_layer_ids=(0, 0, 0)), base, seed=1)
+    drafter = make_heads(drafter_config("eagle3", 3, draft_vocab=64, aux_layer_ids=(0, 0, 0)), base, seed=1)
     formats.exporter("sglang").export(drafter, base, out)
     torch.save(load_file(str(out / "model.safetensors")), out / "pytorch_model.bin")
     (out / "model.safetensors").unlink()

@@ -21,7 +21,8 @@ from flax import nnx
 from clover_jax.engine import speculative
 from clover_jax.model.config import ModelConfig
 from clover_jax.drafters.vocab import DraftVocab
-from clover_jax.drafters.heads import HeadsConfig, make_heads
+from clover_jax.drafters.heads import make_heads
+from clover_jax.drafters.registry import drafter_config
 from clover_jax.model.llama import Llama, causal_self_mask
 from clover_jax.engine.sampling import SamplingConfig, distribution
 from clover_jax.engine.speculative import SpeculativeGenerator
@@ -114,7 +115,7 @@ def table_heads(base) -> TableHeads:
 
 def noisy_heads(base, method: str):
     """Random heads of `method` (3 of them), their parameters nudged off the init as `noisy` says."""
-    return noisy(make_heads(HeadsConfig(method, 3), base, seed=2), 0.05, seed=3, replace=False)
+    return noisy(make_heads(drafter_config(method, 3), base, seed=2), 0.05, seed=3, replace=False)
 
 
 def sample_tokens(base, method: str, sampling: SamplingConfig, tree: str = TREE, draft_vocab: int = 0,

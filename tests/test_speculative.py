@@ -21,7 +21,8 @@ from clover_jax.engine.decode import Generator, prefill
 from clover_jax.drafters.vocab import DraftVocab
 from clover_jax.drafters.base import Committed
 from clover_jax.errors import CloverError
-from clover_jax.drafters.heads import Heads, HeadsConfig, make_heads
+from clover_jax.drafters.heads import Heads, make_heads
+from clover_jax.drafters.registry import drafter_config
 from clover_jax.model.llama import Llama
 from clover_jax.engine.sampling import SamplingConfig
 from clover_jax.engine.pacing import MAX_WAIT, PROBE_EVERY, Pace, Paced, speculate_now
@@ -133,7 +134,7 @@ def random_generators(ref):
 
     def get(method, spec):
         if (method, spec) not in made:
-            heads = perturb(make_heads(HeadsConfig(method, registry.get(method).depth), ref.base, seed=3), seed=4)
+            heads = perturb(make_heads(drafter_config(method, registry.get(method).depth), ref.base, seed=3), seed=4)
             made[method, spec] = SpeculativeGenerator(ref.base, heads, resolve_tree(spec, method, heads.num_heads))
         return made[method, spec]
 
@@ -222,7 +223,7 @@ def test_greedy_matches_plain_with_a_draft_vocabulary(ref, fresh, method, spec, 
     drafted) still write exactly the plain greedy text, and every drafted token is in the subset."""
     counts = np.bincount(np.concatenate(ref.free), minlength=ref.base.cfg.vocab_size)
     vocab = DraftVocab.most_frequent(ref.base.lm_head_weight(), counts, int((counts > 0).sum()) // 2)
-    heads = perturb(make_heads(HeadsConfig(method, registry.get(method).depth), ref.base, seed=3), seed=4)
+    heads = perturb(make_heads(drafter_config(method, registry.get(method).depth), ref.base, seed=3), seed=4)
     gen = SpeculativeGenerator(ref.base, heads, resolve_tree(spec, method, heads.num_heads), draft_vocab=vocab)
     rows = range(len(PROMPTS)) if batch == len(PROMPTS) else [EOS_ROW]
     prompts = [PROMPTS[i] for i in rows]
@@ -253,7 +254,7 @@ class OracleHeads(Heads):
     split state, so a test rewrites them in place and reuses the compiled program."""
 
     def __init__(self, base: Llama, num_heads: int):
-        super().__init__(HeadsConfig("clover", num_heads), base.cfg, [])
+        super().__init__(drafter_config("clover", num_heads), base.cfg, [])
         v = base.cfg.vocab_size
         self.noise = nnx.Param(jnp.zeros((v, v), jnp.float32))
         self.first = nnx.Param(jnp.zeros((v,), jnp.int32))
@@ -441,7 +442,7 @@ def test_pacing_drafts_only_while_drafts_pay(ref, fresh, oracle):
 
 
 def test_tree_deeper_than_heads_is_refused(ref):
-    heads = make_heads(HeadsConfig("medusa", 2), ref.base)
+    heads = make_heads(drafter_config("medusa", 2), ref.base)
     with pytest.raises(CloverError, match="depth 3") as e:
         SpeculativeGenerator(ref.base, heads, chain(3))
     assert_one_line(e)

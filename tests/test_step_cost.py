@@ -11,7 +11,8 @@ import pytest
 from clover_jax.plan import step_cost
 from clover_jax.io.heads_dir import CONFIG, save_heads
 from clover_jax.io.hf import load_pretrained
-from clover_jax.drafters.heads import HeadsConfig, make_heads
+from clover_jax.drafters.heads import make_heads
+from clover_jax.drafters.registry import drafter_config
 from clover_jax.plan.auto import CPU_CHAIN_COST, ChainCost
 from infer import generate
 
@@ -37,7 +38,7 @@ def test_timed_once_kept_per_machine_model_drafter_and_sampling(model, tmp_path,
         return 2e-3 if len(timed) == 1 else 2.4e-3 + 0.3e-3 * generator.tree.max_depth
 
     monkeypatch.setattr(step_cost, "seconds_per_step", seconds_per_step)
-    heads = make_heads(HeadsConfig("medusa", 3), model, seed=1)
+    heads = make_heads(drafter_config("medusa", 3), model, seed=1)
     cost = step_cost.chain_cost(model, heads, None, sampling=False)
     assert [(name, None if tree is None else tree.max_depth, t) for name, tree, t in timed] == [
         ("Generator", None, 0.0), ("SpeculativeGenerator", 1, 0.0), ("SpeculativeGenerator", 3, 0.0)]
@@ -55,7 +56,7 @@ def test_timed_once_kept_per_machine_model_drafter_and_sampling(model, tmp_path,
     assert step_cost.chain_cost(model, heads, None, sampling=False) == cost
     monkeypatch.setattr(step_cost, "measure", real)
     timed.clear()
-    step_cost.chain_cost(model, make_heads(HeadsConfig("medusa", 1), model), None, sampling=True)
+    step_cost.chain_cost(model, make_heads(drafter_config("medusa", 1), model), None, sampling=True)
     assert [(name, t) for name, _, t in timed] == [("Generator", 1.0), ("SpeculativeGenerator", 1.0)]
     entries = json.loads(kept.read_text())
     assert sorted(k.rsplit(" | ", 1)[1] for k in entries) == ["greedy", "sampling"]
@@ -86,7 +87,7 @@ def test_a_busy_machines_unusable_timing_is_taken_again_then_left_to_the_fitted_
     kept = tmp_path / "step-costs.json"
     monkeypatch.setenv(step_cost.COSTS_ENV, str(kept))
     monkeypatch.setattr(step_cost, "seconds_per_step", lambda generator, sampling: -1e-4)
-    heads = make_heads(HeadsConfig("clover2", 2), model)
+    heads = make_heads(drafter_config("clover2", 2), model)
     assert step_cost.chain_cost(model, heads, None, sampling=False) is None and not kept.exists()
     assert "the timing came out unusable (is the machine busy?)" in capsys.readouterr().err
 
@@ -97,7 +98,7 @@ def test_a_broken_costs_file_is_timed_again_and_rewritten(model, tmp_path, monke
     monkeypatch.setenv(step_cost.COSTS_ENV, str(kept))
     monkeypatch.setattr(step_cost, "measure", lambda *a, **k: {"plain_ms": 1.0, "chain": {"1": 1.2}, "base": 1.06,
                                                                "per_draft": 0.14})
-    heads = make_heads(HeadsConfig("clover2", 1), model)
+    heads = make_heads(drafter_config("clover2", 1), model)
     assert step_cost.chain_cost(model, heads, None, sampling=False) == ChainCost(1.06, 0.14)
     assert list(json.loads(kept.read_text()).values()) == [{"plain_ms": 1.0, "chain": {"1": 1.2}, "base": 1.06,
                                                             "per_draft": 0.14}]
@@ -110,7 +111,7 @@ def test_an_unreadable_kept_entry_is_timed_again_and_replaced(bad, model, tmp_pa
     not a ValueError on every --tree auto run until the file is deleted; the other entries stay."""
     kept = tmp_path / "step-costs.json"
     monkeypatch.setenv(step_cost.COSTS_ENV, str(kept))
-    heads = make_heads(HeadsConfig("clover2", 1), model)
+    heads = make_heads(drafter_config("clover2", 1), model)
     key = step_cost.entry_key(model, heads, None, False)
     kept.write_text(json.dumps({key: bad, "another machine": {"base": 1.3, "per_draft": 0.2}}, allow_nan=True))
     monkeypatch.setattr(step_cost, "measure", lambda *a, **k: {"plain_ms": 1.0, "chain": {"1": 1.2}, "base": 1.06,
@@ -126,7 +127,7 @@ def test_generate_auto_follows_the_timed_cost(base, expected, model_dir, model, 
     plain steps they draft, paced by it; where it costs 1.6, plain decoding (the fitted model, 1.29,
     would draft in both)."""
     heads = tmp_path / "heads"
-    save_heads(make_heads(HeadsConfig("medusa", 2), model, seed=1), model, heads)
+    save_heads(make_heads(drafter_config("medusa", 2), model, seed=1), model, heads)
     meta = json.loads((heads / CONFIG).read_text())
     meta["held_out"] = {"val_chain_tau_by_depth": [1.3, 1.33]}
     (heads / CONFIG).write_text(json.dumps(meta))

@@ -10,7 +10,8 @@ import pytest
 from flax import nnx
 
 from clover_jax.io.hf import load_pretrained
-from clover_jax.drafters.heads import HeadsConfig, make_heads
+from clover_jax.drafters.heads import make_heads
+from clover_jax.drafters.registry import drafter_config
 from clover_jax.model.llama import causal_self_mask, eagle3_layers
 from conftest import tiny_llama_checkpoint
 from train import make_data, train
@@ -73,7 +74,7 @@ def test_eagle3_loss_from_stored_features_is_the_forwards(model_dir, data_dirs):
     """The same batch scored from stored (float16) layers and from a base forward: the same loss and
     per-head losses, to float16's rounding."""
     base = load_pretrained(model_dir)[1]
-    heads = make_heads(HeadsConfig("eagle3", 3), base, seed=0)
+    heads = make_heads(drafter_config("eagle3", 3), base, seed=0)
     batch = {k: jnp.asarray(v) for k, v in HeadDataset(data_dirs["features"]).batch_at(0, 2, 16).items()
              if v is not None}
     stored = train.head_loss(heads, base, batch)

@@ -24,7 +24,8 @@ from safetensors.numpy import load_file
 from clover_jax.io.heads_dir import held_out_chain_tau, load_fitted_tree, load_heads
 from clover_jax.io.hf import load_pretrained
 from clover_jax.drafters.vocab import DraftVocab, token_counts
-from clover_jax.drafters.heads import HeadsConfig, make_heads
+from clover_jax.drafters.heads import make_heads
+from clover_jax.drafters.registry import drafter_config
 from clover_jax.drafters.losses import targets_and_masks
 from clover_jax.drafters import BUILT_IN as METHODS
 from clover_jax.model.llama import causal_self_mask
@@ -96,7 +97,7 @@ def test_training_lowers_the_loss_and_leaves_the_base_alone(method, trained, mod
     assert sha_before == sha_after
     base = _base(model_dir)
     batch = _batches(datasets[DATA_OF[method]])
-    start = make_heads(HeadsConfig(method, NUM_HEADS), base, seed=SEED)
+    start = make_heads(drafter_config(method, NUM_HEADS), base, seed=SEED)
     end = load_heads(out, base, method)
     loss_start = float(train.head_loss(start, base, batch)[0])
     loss_end = float(train.head_loss(end, base, batch)[0])

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from clover_jax.drafters.heads import HeadsConfig, make_heads
+from clover_jax.drafters.heads import make_heads
+from clover_jax.drafters.registry import drafter_config
 from clover_jax.drafters import HEADS
 from clover_jax.model.llama import causal_self_mask
 
@@ -19,7 +20,7 @@ def test_unroll_equals_the_decoding_path(method, loaded):
     (cache-free, causal) at t, computed with every token after x_{t+1} replaced so nothing later can
     leak in, then node_state / node_hidden fed x_{t+1}, x_{t+2}, ... as drafting feeds a tree path."""
     base = loaded("llama2")[3]
-    heads = make_heads(HeadsConfig(method, 3), base, seed=1)
+    heads = make_heads(drafter_config(method, 3), base, seed=1)
     # Zero-initialised parts (Medusa's W, Clover's W_V) would hide mistakes: perturb every parameter.
     leaves, treedef = jax.tree.flatten(nnx.state(heads, nnx.Param))
     keys = jax.random.split(jax.random.key(7), len(leaves))

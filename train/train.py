@@ -14,6 +14,7 @@ loads.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import sys
 import time
@@ -35,7 +36,8 @@ from clover_jax.api import DTYPES
 from clover_jax.io.hf import load_pretrained
 from clover_jax.engine.decode import to_host
 from clover_jax.drafters.vocab import DraftVocab, probability_mass, token_counts
-from clover_jax.drafters.base import Drafter, HeadsConfig
+from clover_jax.drafters.base import Drafter
+from clover_jax.drafters.registry import drafter_config
 from clover_jax.drafters.losses import shift_left, targets_and_masks
 from clover_jax.errors import CloverError
 from clover_jax.model.llama import Llama, causal_self_mask
@@ -232,6 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     return cli.run_main(lambda: run(args))
 
 
+def method_options(args) -> dict:
+    """The drafter options the flags set (--embed-source, --draft-vocab), those of them the method has."""
+    fields = {f.name for f in dataclasses.fields(registry.get(args.method).config)}
+    given = {"embed_source": args.embed_source, "draft_vocab": args.draft_vocab}
+    return {name: value for name, value in given.items() if value and name in fields}
+
+
 def check_seq_len(seq_len: int, depth: int, flag: str = "--seq-len") -> None:
     """Refuse a window too short to give every head a target: head k (from 0) at position t learns token
     t + 2 + k, so `depth` heads need depth + 2 tokens; a shorter one trains and measures nothing."""
@@ -295,14 +304,13 @@ def run(args) -> int:
         drafter = load_heads(args.init_from, base, method=args.method)
         hcfg = drafter.hcfg
         for flag, asked, theirs in (("--num-heads", args.num_heads, hcfg.num_heads),
-                                    ("--embed-source", args.embed_source, hcfg.embed_source),
-                                    ("--draft-vocab", args.draft_vocab, hcfg.draft_vocab)):
+                                    ("--embed-source", args.embed_source, getattr(hcfg, "embed_source", None)),
+                                    ("--draft-vocab", args.draft_vocab, getattr(hcfg, "draft_vocab", None))):
             if asked and asked != theirs:
                 raise CloverError(f"--init-from {args.init_from} holds heads with {flag} {theirs}, not {asked}; "
                                   f"drop {flag} (the heads keep their own)")
     else:
-        hcfg = HeadsConfig(args.method, args.num_heads or registry.get(args.method).depth,
-                           args.embed_source or "lm_head", draft_vocab=args.draft_vocab)
+        hcfg = drafter_config(args.method, args.num_heads, **method_options(args))
         drafter = registry.make_drafter(hcfg, base, seed=args.seed)
     check_seq_len(args.seq_len, drafter.depth)
     # The exported counts and probability mass: of --counts-from's training split, else of all of --data
@@ -341,8 +349,9 @@ def run(args) -> int:
     last = ocp.CheckpointManager(work / "checkpoints", options=ocp.CheckpointManagerOptions(max_to_keep=args.keep))
     best = ocp.CheckpointManager(work / "best", options=ocp.CheckpointManagerOptions(
         max_to_keep=1, best_fn=lambda m: m["val_loss"], best_mode="min"))
-    pin_run(work, {"method": hcfg.method, "num_heads": hcfg.num_heads, "embed_source": hcfg.embed_source,
-                   "draft_vocab": hcfg.draft_vocab,
+    # Options a method lacks pin as every run pinned them before each method had a config of its own.
+    pin_run(work, {"method": hcfg.method, "num_heads": hcfg.num_heads,
+                   "embed_source": getattr(hcfg, "embed_source", "lm_head"), "draft_vocab": getattr(hcfg, "draft_vocab", 0),
                    "base": str(Path(args.base).resolve()), "data": str(Path(args.data).resolve()),
                    "seed": args.seed,  # it draws the batches: a resume with another would not continue the run
                    "counts_from": str(Path(args.counts_from).resolve()) if args.counts_from else None,

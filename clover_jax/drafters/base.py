@@ -34,79 +34,27 @@ and --num-heads still call it num_heads. Saved with the weights: the variables o
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import flax.struct
 import jax
 from flax import nnx
 
-from clover_jax.drafters import registry
 from clover_jax.errors import CloverError
 
 
-class ConfigKeys(dict):
-    """config.json keys that hash: a HeadsConfig is a static part of its drafter's graph, which jit
-    hashes."""
-
-    def __hash__(self):
-        return hash(json.dumps(self, sort_keys=True))
-
-
 @dataclasses.dataclass(frozen=True)
-class HeadsConfig:
-    """Which drafter (method, depth) and its initialisation; saved beside the weights in heads.json."""
+class DrafterConfig:
+    """Which drafter (method, depth): the fields every method has. Each method subclasses it with the
+    options it has, each checked in its own `__post_init__` (which calls this one), and registers the
+    class as its `registry.Method.config`; saved beside the weights in heads.json, built by
+    `registry.drafter_config`."""
 
     method: str  # a `registry` name
     num_heads: int  # the drafter's depth (heads.json's name for it)
-    embed_source: str = "lm_head"  # Clover-2's token embedding: "lm_head" (frozen copy) or "input"
-    noise: float = 0.01  # scale of the uniform noise added to identity initialisations
-    draft_vocab: int = 0  # EAGLE-3: the tokens its own lm_head scores (0: the whole vocabulary)
-    # EAGLE-3: the base decoder layers whose outputs (0-based) it fuses, as the checkpoint formats name
-    # them (`eagle_aux_hidden_state_layer_ids`); None: the authors' default, `llama.eagle3_layers(L)`.
-    aux_layer_ids: tuple[int, ...] | None = None
-    # Medusa: times each head applies its ResBlock (Medusa-1's medusa_num_layers: its code repeats one
-    # block, `[ResBlock(H)] * L`, so the L applications share their weights).
-    head_layers: int = 1
-    # Medusa: each head scores with a vocabulary projection of its own (Medusa-1's heads), not the base
-    # model's frozen lm_head.
-    own_lm_head: bool = False
-    # EAGLE-1/3: the draft decoder layer's own config where a checkpoint gives it one unlike the base
-    # model's layers, as config.json keys (`draft_model.DRAFT_LAYER_KEYS`); None: the base model's.
-    draft_layer: dict | None = None
-    # EAGLE-1/3: the published variants' switches that are on, by their checkpoint configs' names
-    # (each drafter's `SWITCHES`), e.g. ("norm_before_residual",); () for the drafters train.train makes.
-    switches: tuple[str, ...] = ()
 
     def __post_init__(self):
-        registry.get(self.method)
-        if self.num_heads < 1:
-            raise CloverError(f"num_heads={self.num_heads} must be >= 1")
-        if not isinstance(self.head_layers, int) or self.head_layers < 1:
-            raise CloverError(f"head_layers={self.head_layers!r} must be an integer >= 1")
-        if not isinstance(self.own_lm_head, bool):
-            raise CloverError(f"own_lm_head={self.own_lm_head!r} must be true or false")
-        if (self.head_layers != 1 or self.own_lm_head) and self.method != "medusa":
-            raise CloverError(f"head_layers and own_lm_head describe Medusa heads; {self.method} has neither")
-        if self.draft_vocab < 0:
-            raise CloverError(f"draft_vocab={self.draft_vocab} must be >= 0 (0: the whole vocabulary)")
-        if self.aux_layer_ids is not None:
-            ids = self.aux_layer_ids
-            if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
-                raise CloverError(f"aux_layer_ids={ids!r} must be a list of decoder layer indices (0-based)")
-            object.__setattr__(self, "aux_layer_ids", tuple(ids))
-        if self.draft_layer is not None:
-            if not isinstance(self.draft_layer, dict):
-                raise CloverError(f"draft_layer={self.draft_layer!r} must be a dict of config.json keys")
-            object.__setattr__(self, "draft_layer", ConfigKeys(self.draft_layer))
-        if not isinstance(self.switches, (list, tuple)) or not all(isinstance(s, str) for s in self.switches):
-            raise CloverError(f"switches={self.switches!r} must be a list of switch names")
-        object.__setattr__(self, "switches", tuple(self.switches))
-        if self.embed_source not in ("lm_head", "input"):
-            raise CloverError(f"embed_source={self.embed_source!r} must be 'lm_head' or 'input'")
-
-    @property
-    def aug_layers(self) -> int:
-        return registry.get(self.method).aug_layers
+        if not isinstance(self.num_heads, int) or self.num_heads < 1:
+            raise CloverError(f"num_heads={self.num_heads!r} must be an integer >= 1")
 
 
 class DraftIds(nnx.Variable):
@@ -143,8 +91,11 @@ class Drafter:
     """The interface (see the module docstring); `heads.Heads` implements it for Medusa, Clover and
     Clover-2, `draft_model.EagleDrafter` for EAGLE-1 and EAGLE-3."""
 
-    hcfg: HeadsConfig
+    hcfg: DrafterConfig  # its method's own config class
     feature_layers: tuple[int, ...] = ()
+    # True for a draft model that chains one layer, and so drafts trees deeper than `depth` (its trained
+    # steps): EAGLE-3's authors draft 8 deep with 7. Heads stop at their own count.
+    chained = False
     own_vocab = False  # True: it scores with an lm_head of its own over token ids of its own (`set_vocab`)
 
     @property

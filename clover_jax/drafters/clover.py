@@ -6,13 +6,15 @@ Medusa, by cross-entropy on the data's tokens (`losses.cross_entropy`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from clover_jax.drafters.base import DrafterConfig
 from clover_jax.drafters.heads import (
     Heads,
-    HeadsConfig,
     ResBlock,
     eye_plus_uniform,
     gate_heads,
@@ -24,6 +26,13 @@ from clover_jax.drafters.registry import Method, register
 from clover_jax.model.config import ModelConfig
 from clover_jax.model.layers import Linear, RMSNorm
 from clover_jax.model.llama import Llama
+
+
+@dataclasses.dataclass(frozen=True)
+class CloverConfig(DrafterConfig):
+    """Clover's one option: the scale of the uniform noise added to its identity initialisations."""
+
+    noise: float = 0.01
 
 
 class CloverAttentionDecoder(nnx.Module):
@@ -58,8 +67,10 @@ class CloverHeads(Heads):
     e_{i-1}) with e the normalised lm_head row of the node's token; logits of head i =
     lm_head(norm(h_i + SiLU(W_i h_i))), `norm` being the base model's final norm."""
 
-    def __init__(self, hcfg: HeadsConfig, base: Llama, *, rngs: nnx.Rngs):
-        super().__init__(hcfg, base.cfg, last_layer_copies(base, 1, rngs))
+    aug_layers = 1
+
+    def __init__(self, hcfg: CloverConfig, base: Llama, *, rngs: nnx.Rngs):
+        super().__init__(hcfg, base.cfg, last_layer_copies(base, self.aug_layers, rngs))
         self.decoder = CloverAttentionDecoder(base.cfg, hcfg.noise, base.dtype, rngs)
         self.blocks = nnx.List([ResBlock(base.cfg.hidden_size, base.dtype, rngs) for _ in range(hcfg.num_heads)])
 
@@ -74,5 +85,5 @@ class CloverHeads(Heads):
         return base.norm(self.blocks[k](state))
 
 
-register(Method("clover", CloverHeads, depth=3, tree="medusa_mc_sim_7b_63", loss=cross_entropy, aug_layers=1,
+register(Method("clover", CloverHeads, CloverConfig, depth=3, tree="medusa_mc_sim_7b_63", loss=cross_entropy,
                 title="Clover"))

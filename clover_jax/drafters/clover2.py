@@ -5,11 +5,14 @@ linear, heads >= 1 one shared recurrent cell over [state; token embedding]; trai
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from clover_jax.drafters.heads import Heads, HeadsConfig, eye_plus_uniform, gate_heads, last_layer_copies, token_embeddings
+from clover_jax.drafters.base import DrafterConfig
+from clover_jax.drafters.heads import Heads, eye_plus_uniform, gate_heads, last_layer_copies, token_embeddings
 from clover_jax.drafters.losses import (
     base_distribution,
     head_weights,
@@ -20,6 +23,7 @@ from clover_jax.drafters.losses import (
     targets_and_masks,
 )
 from clover_jax.drafters.registry import Method, register
+from clover_jax.errors import CloverError
 from clover_jax.model.config import ModelConfig
 from clover_jax.model.layers import Linear, RMSNorm
 from clover_jax.model.llama import Llama
@@ -54,14 +58,31 @@ class GateDecoder(nnx.Module):
         return x + (v * cos).reshape(x.shape).astype(x.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class Clover2Config(DrafterConfig):
+    """Clover-2's options: the token embedding its heads read, "lm_head" (a frozen copy of the lm_head's
+    rows) or "input" (the input embedding table), and the scale of the uniform noise added to its
+    identity initialisations."""
+
+    embed_source: str = "lm_head"
+    noise: float = 0.01
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.embed_source not in ("lm_head", "input"):
+            raise CloverError(f"embed_source={self.embed_source!r} must be 'lm_head' or 'input'")
+
+
 class Clover2Heads(Heads):
     """Clover-2: x_t = AD_in(h_t, E[x_{t+1}]) -> 2-layer Augmenting Block (own cache) -> norm = s.
     Head 0: lm_head(head_norm(W0 s)); heads k >= 1 share one cell: s <- AD_cell(s, E[token]),
     logits = lm_head(head_norm(W2 [s; E[token]])). Both norms start as the base's final norm."""
 
-    def __init__(self, hcfg: HeadsConfig, base: Llama, *, rngs: nnx.Rngs):
+    aug_layers = 2
+
+    def __init__(self, hcfg: Clover2Config, base: Llama, *, rngs: nnx.Rngs):
         cfg, dtype, d = base.cfg, base.dtype, base.cfg.hidden_size
-        super().__init__(hcfg, cfg, last_layer_copies(base, hcfg.aug_layers, rngs))
+        super().__init__(hcfg, cfg, last_layer_copies(base, self.aug_layers, rngs))
         self.decoder_in = GateDecoder(cfg, hcfg.noise, dtype, rngs)
         self.decoder_cell = GateDecoder(cfg, hcfg.noise, dtype, rngs)
         self.aug_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
@@ -112,5 +133,5 @@ def distill_loss(head_hidden: jax.Array, head_logits: jax.Array, base_normed: ja
     return jnp.sum(head_weights(k_heads) * per_head), per_head, masks, targets
 
 
-register(Method("clover2", Clover2Heads, depth=5, tree="eagle_mc_sim_7b_63", loss=distill_loss, aug_layers=2,
+register(Method("clover2", Clover2Heads, Clover2Config, depth=5, tree="eagle_mc_sim_7b_63", loss=distill_loss,
                 title="Clover-2"))

@@ -16,9 +16,9 @@ lm_head of its own over a reduced draft vocabulary (`ids`, spread back over the 
 The entry: EAGLE-1 x = FC([E(x_{t+1}); f_t]) (2D -> D, bias; the layer has no input norm, as the
 authors' first layer); EAGLE-3 attends over [input_norm(E(x_{t+1})); hidden_norm(g_t)] (q, k, v
 project from 2D) with g_t the residual stream. E is the base model's input embedding, frozen.
-The layer has the base model's layer shape unless `HeadsConfig.draft_layer` gives one of its own
-(published drafters have their own heads, MLP width and RoPE: `layer_config`), and `HeadsConfig.switches`
-turns on the published variants a drafter implements (its `SWITCHES`; any other is refused in one line).
+The layer has the base model's layer shape unless `EagleConfig.draft_layer` gives one of its own
+(published drafters have their own heads, MLP width and RoPE: `layer_config`), and `EagleConfig.switches`
+turns on the published variants a drafter implements (its config's `SWITCHES`; any other is refused in one line).
 
 Training (`train_forward`, `unroll`) is EAGLE-3's training-time test for both: step 0 runs the layer causally over the
 target features; step j feeds each position its own step j-1 output and the true token j further
@@ -29,13 +29,15 @@ the entries a chain drafted from root x_{t+1} reads in decoding.
 from __future__ import annotations
 
 import dataclasses
+import json
+from typing import ClassVar
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from clover_jax.drafters.base import Committed, Drafter, Frontier, HeadsConfig
+from clover_jax.drafters.base import Committed, Drafter, DrafterConfig, Frontier
 from clover_jax.drafters.losses import shift_left
 from clover_jax.drafters.vocab import DraftVocab
 from clover_jax.errors import CloverError
@@ -48,7 +50,7 @@ from clover_jax.model.sharding import constrain_cache
 NO_LOGIT = -1e9  # the logit of a token outside EAGLE-3's draft vocabulary: probability 0, finite log
 
 # The config.json keys of a draft layer that a checkpoint sets apart from the base model's layers
-# (`HeadsConfig.draft_layer` holds all of them, or is None).
+# (`EagleConfig.draft_layer` holds all of them, or is None).
 DRAFT_LAYER_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps",
                     "rope_theta", "rope_scaling")
 
@@ -79,11 +81,37 @@ def layer_keys(cfg: ModelConfig) -> dict:
     return {k: hf[k] for k in DRAFT_LAYER_KEYS}
 
 
-def check_switches(hcfg: HeadsConfig, known: tuple[str, ...]) -> None:
-    """One line for a switch the drafter of hcfg's method does not implement."""
-    odd = [s for s in hcfg.switches if s not in known]
-    if odd:
-        raise CloverError(f"{hcfg.method} drafters have no switch {odd[0]!r} (theirs: {', '.join(known) or 'none'})")
+class ConfigKeys(dict):
+    """config.json keys that hash: a drafter's config is a static part of its graph, which jit hashes."""
+
+    def __hash__(self):
+        return hash(json.dumps(self, sort_keys=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleConfig(DrafterConfig):
+    """A draft model's options: `draft_layer`, its decoder layer's own config where a checkpoint gives it
+    one unlike the base model's layers, as config.json keys (DRAFT_LAYER_KEYS; None: the base model's);
+    `switches`, the published variants' switches that are on, by their checkpoint configs' names (each
+    subclass's SWITCHES), e.g. ("norm_before_residual",); () for the drafters train.train makes."""
+
+    SWITCHES: ClassVar[tuple[str, ...]] = ()
+    draft_layer: dict | None = None
+    switches: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.draft_layer is not None:
+            if not isinstance(self.draft_layer, dict):
+                raise CloverError(f"draft_layer={self.draft_layer!r} must be a dict of config.json keys")
+            object.__setattr__(self, "draft_layer", ConfigKeys(self.draft_layer))
+        if not isinstance(self.switches, (list, tuple)) or not all(isinstance(s, str) for s in self.switches):
+            raise CloverError(f"switches={self.switches!r} must be a list of switch names")
+        object.__setattr__(self, "switches", tuple(self.switches))
+        odd = [s for s in self.switches if s not in self.SWITCHES]
+        if odd:
+            raise CloverError(f"{self.method} drafters have no switch {odd[0]!r} "
+                              f"(theirs: {', '.join(self.SWITCHES) or 'none'})")
 
 
 @flax.struct.dataclass
@@ -134,6 +162,7 @@ class EagleDrafter(nnx.Module, Drafter):
     (`committed_feature`), how an entry enters the layer (`entry`) and how an output is scored
     (`logits`)."""
 
+    chained = True
     feature_noise = 0.0  # width of the uniform noise added to target features in training
 
     def __init__(self, hcfg, base: Llama, layer: DraftLayer):

@@ -6,11 +6,13 @@ state after the final norm and score with the lm_head alone (switch normed_featu
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from clover_jax.drafters.draft_model import DraftLayer, EagleDrafter, check_switches, layer_config
+from clover_jax.drafters.draft_model import DraftLayer, EagleConfig, EagleDrafter, layer_config
 from clover_jax.drafters.losses import (
     base_distribution,
     masked_mean,
@@ -27,6 +29,13 @@ from clover_jax.model.llama import Llama
 EAGLE_CE_WEIGHT = 0.1  # SmoothL1 on the feature + 0.1 x cross-entropy
 
 
+@dataclasses.dataclass(frozen=True)
+class Eagle1Config(EagleConfig):
+    """EAGLE-1's options (`EagleConfig`'s); its one switch, normed_features, as `Eagle` says."""
+
+    SWITCHES = ("normed_features",)
+
+
 class Eagle(EagleDrafter):
     """EAGLE-1: x = FC([E(x_{t+1}); f_t]) (2D -> D, bias) into one decoder layer without an input norm,
     f_t the base model's last hidden state before the final norm; the output predicts f_{t+1}, scored by
@@ -35,11 +44,9 @@ class Eagle(EagleDrafter):
     With switch normed_features, as the authors' code runs (`cnets1.py`, fed `base_model.model`'s
     output), f_t is the state after the final norm and the output is scored by the lm_head alone."""
 
-    SWITCHES = ("normed_features",)
     feature_noise = 0.2
 
     def __init__(self, hcfg, base: Llama, *, rngs: nnx.Rngs):
-        check_switches(hcfg, self.SWITCHES)
         cfg, dtype, d = base.cfg, base.dtype, base.cfg.hidden_size
         super().__init__(hcfg, base, DraftLayer(layer_config(cfg, hcfg.draft_layer), d, dtype=dtype, rngs=rngs))
         self.fc = Linear(2 * d, d, ("embed", "embed_out"), bias=True, dtype=dtype, rngs=rngs)
@@ -87,5 +94,5 @@ def eagle_loss(head_hidden, head_logits, base_normed, base_logits, tokens, loss_
 
 # On accelerators it drafts EAGLE-2's dynamic tree, as the authors' EAGLE-2 release evaluates it (60
 # nodes, top-k 10, depth 5).
-register(Method("eagle", Eagle, depth=5, tree="eagle_mc_sim_7b_63", loss=eagle_loss, trained_steps=1,
-                title="EAGLE-1", chained=True, accelerator_tree="eagle2:60,10,5"))
+register(Method("eagle", Eagle, Eagle1Config, depth=5, tree="eagle_mc_sim_7b_63", loss=eagle_loss, trained_steps=1,
+                title="EAGLE-1", accelerator_tree="eagle2:60,10,5"))

@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 
 from clover_jax.drafters.base import DraftIds
-from clover_jax.drafters.draft_model import NO_LOGIT, DraftLayer, EagleDrafter, check_switches, layer_config
+from clover_jax.drafters.draft_model import NO_LOGIT, DraftLayer, EagleConfig, EagleDrafter, layer_config
 from clover_jax.drafters.losses import base_distribution, masked_mean, shifted, soft_cross_entropy, targets_and_masks
 from clover_jax.drafters.registry import Method, register
 from clover_jax.drafters.vocab import DraftVocab
@@ -24,22 +24,42 @@ from clover_jax.model.llama import Llama, eagle3_layers
 EAGLE3_DECAY = 0.8  # training-time test step k weighted 0.8^k (the authors' main.py)
 
 
+@dataclasses.dataclass(frozen=True)
+class Eagle3Config(EagleConfig):
+    """EAGLE-3's options, beside a draft model's (`EagleConfig`): `draft_vocab`, the tokens its own
+    lm_head scores (0: the whole vocabulary); `aux_layer_ids`, the base decoder layers whose outputs
+    (0-based) it fuses, as the checkpoint formats name them (`eagle_aux_hidden_state_layer_ids`; None:
+    the authors' default, `eagle3_layers(L)`); and the published variants' switches, as `Eagle3` says."""
+
+    SWITCHES = ("norm_before_residual", "fc_norm", "norm_output")
+    draft_vocab: int = 0
+    aux_layer_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.draft_vocab, int) or self.draft_vocab < 0:
+            raise CloverError(f"draft_vocab={self.draft_vocab!r} must be an integer >= 0 (0: the whole vocabulary)")
+        if self.aux_layer_ids is not None:
+            ids = self.aux_layer_ids
+            if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
+                raise CloverError(f"aux_layer_ids={ids!r} must be a list of decoder layer indices (0-based)")
+            object.__setattr__(self, "aux_layer_ids", tuple(ids))
+
+
 class Eagle3(EagleDrafter):
     """EAGLE-3: committed features g = FC([low; mid; high]) (3D -> D, no bias) of the base layers
     hcfg.aux_layer_ids (default `eagle3_layers(L)`, the authors' outputs of 1, L // 2 - 1, L - 4);
     attention reads [input_norm(E(x)); hidden_norm(g)] (2D), g the residual; a draft entry's g is its
     parent's output. Scored by a norm and lm_head of its own over the draft vocabulary `ids`
     (hcfg.draft_vocab tokens, 0: all; `set_vocab` picks them), initialised from the base model's final
-    norm and lm_head rows. The published variants' switches (`SWITCHES`, as SpecForge and speculators
+    norm and lm_head rows. The published variants' switches (`Eagle3Config.SWITCHES`, as SpecForge and speculators
     name them): norm_before_residual, the residual is hidden_norm(g); fc_norm, each feature layer's
     output gets an RMSNorm of its own (`fc_norm`) before the FC; norm_output, an entry hands on (and
     scores) norm(o) rather than o."""
 
-    SWITCHES = ("norm_before_residual", "fc_norm", "norm_output")
     own_vocab = True
 
-    def __init__(self, hcfg, base: Llama, *, rngs: nnx.Rngs):
-        check_switches(hcfg, self.SWITCHES)
+    def __init__(self, hcfg: Eagle3Config, base: Llama, *, rngs: nnx.Rngs):
         cfg, dtype, d = base.cfg, base.dtype, base.cfg.hidden_size
         layer_cfg = layer_config(cfg, hcfg.draft_layer)
         super().__init__(hcfg, base, DraftLayer(layer_cfg, 2 * d, dtype=dtype, rngs=rngs))
@@ -142,5 +162,5 @@ def eagle3_loss(head_hidden, head_logits, base_normed, base_logits, tokens, loss
 
 
 # On accelerators it drafts its authors' dynamic tree (their from_pretrained defaults: 60, 10, 7).
-register(Method("eagle3", Eagle3, depth=7, tree="eagle_mc_sim_7b_63", loss=eagle3_loss, title="EAGLE-3",
-                chained=True, accelerator_tree="eagle2:60,10,7"))
+register(Method("eagle3", Eagle3, Eagle3Config, depth=7, tree="eagle_mc_sim_7b_63", loss=eagle3_loss, title="EAGLE-3",
+                accelerator_tree="eagle2:60,10,7"))

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from clover_jax.drafters.base import Committed, Drafter, Frontier, HeadsConfig
+from clover_jax.drafters.base import Committed, Drafter, DrafterConfig, Frontier
 from clover_jax.drafters import registry
 from clover_jax.drafters.losses import shift_left
 from clover_jax.drafters.vocab import DraftVocab
@@ -93,7 +93,9 @@ class HeadsState:
 class Heads(nnx.Module, Drafter):
     """Shared plumbing and the drafter interface; subclasses define the three questions above."""
 
-    def __init__(self, hcfg: HeadsConfig, base_cfg: ModelConfig, aug: list[DecoderLayer]):
+    aug_layers = 0  # Augmenting Block layers (with a KV cache of their own) the heads build
+
+    def __init__(self, hcfg: DrafterConfig, base_cfg: ModelConfig, aug: list[DecoderLayer]):
         self.hcfg = hcfg
         self.base_cfg = base_cfg
         self.aug = nnx.List(aug)
@@ -190,6 +192,6 @@ class Heads(nnx.Module, Drafter):
         return drafted, base.logits(drafted) if vocab is None else vocab.logits(drafted)
 
 
-def make_heads(hcfg: HeadsConfig, base: Llama, seed: int = 0) -> Drafter:
+def make_heads(hcfg: DrafterConfig, base: Llama, seed: int = 0) -> Drafter:
     """`registry.make_drafter`: a freshly initialised drafter of hcfg's method for `base`."""
     return registry.make_drafter(hcfg, base, seed)

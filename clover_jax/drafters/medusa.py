@@ -9,15 +9,37 @@ applications share weights), and each head scores with a vocabulary projection o
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 from flax import nnx
 
-from clover_jax.drafters.heads import Heads, HeadsConfig, ResBlock
+from clover_jax.drafters.base import DrafterConfig
+from clover_jax.drafters.heads import Heads, ResBlock
 from clover_jax.drafters.losses import cross_entropy
 from clover_jax.drafters.registry import Method, register
 from clover_jax.drafters.vocab import DraftVocab
+from clover_jax.errors import CloverError
 from clover_jax.model.layers import Linear, product
 from clover_jax.model.llama import Llama
+
+
+@dataclasses.dataclass(frozen=True)
+class MedusaConfig(DrafterConfig):
+    """Medusa's options, both Medusa-1's: `head_layers`, times each head applies its ResBlock (their
+    medusa_num_layers; their code repeats one block, `[ResBlock(H)] * L`, so the applications share
+    weights), and `own_lm_head`, each head scoring with a vocabulary projection of its own rather than
+    the base model's frozen lm_head."""
+
+    head_layers: int = 1
+    own_lm_head: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.head_layers, int) or self.head_layers < 1:
+            raise CloverError(f"head_layers={self.head_layers!r} must be an integer >= 1")
+        if not isinstance(self.own_lm_head, bool):
+            raise CloverError(f"own_lm_head={self.own_lm_head!r} must be true or false")
 
 
 class MedusaHeads(Heads):
@@ -26,7 +48,7 @@ class MedusaHeads(Heads):
     `hcfg.head_layers` L the block is applied L times; with `hcfg.own_lm_head` head i scores with
     `lm_heads[i]` (kernel [D, V]) instead of the base model's lm_head."""
 
-    def __init__(self, hcfg: HeadsConfig, base: Llama, *, rngs: nnx.Rngs):
+    def __init__(self, hcfg: MedusaConfig, base: Llama, *, rngs: nnx.Rngs):
         super().__init__(hcfg, base.cfg, [])
         d, v = base.cfg.hidden_size, base.cfg.vocab_size
         self.blocks = nnx.List([ResBlock(d, base.dtype, rngs) for _ in range(hcfg.num_heads)])
@@ -76,4 +98,4 @@ class MedusaHeads(Heads):
         return drafted, jnp.stack([self.head_logits(base, k, drafted[k], vocab) for k in range(drafted.shape[0])])
 
 
-register(Method("medusa", MedusaHeads, depth=4, tree="medusa_mc_sim_7b_63", loss=cross_entropy, title="Medusa"))
+register(Method("medusa", MedusaHeads, MedusaConfig, depth=4, tree="medusa_mc_sim_7b_63", loss=cross_entropy, title="Medusa"))

@@ -31,7 +31,6 @@ from flax import nnx
 from clover_jax.model.cache import KVCache, tree_mask
 from clover_jax.engine.decode import DecodeState, Generator, prefill, stream_tokens, to_host
 from clover_jax.drafters.vocab import DraftVocab
-from clover_jax.drafters import registry
 from clover_jax.drafters.base import Committed, Drafter
 from clover_jax.engine import pacing
 from clover_jax.engine.drafting import StepTree, draft_tree, path_to
@@ -252,7 +251,7 @@ class SpeculativeGenerator(Generator):
             shard_module(drafter, self.mesh)
             if draft_vocab is not None:
                 draft_vocab = place_draft_vocab(draft_vocab, self.mesh)
-        if tree.max_depth > drafter.num_heads and not registry.get(drafter.hcfg.method).chained:
+        if tree.max_depth > drafter.num_heads and not drafter.chained:
             raise CloverError(f"tree depth {tree.max_depth} exceeds the {drafter.num_heads} draft heads; "
                               "pick a shallower tree")
         self.drafter = drafter

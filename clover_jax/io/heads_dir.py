@@ -29,7 +29,8 @@ from safetensors.numpy import load_file
 
 from clover_jax.io.hf import save_safetensors
 from clover_jax.drafters import registry
-from clover_jax.drafters.base import SAVED, DraftIds, Drafter, HeadsConfig
+from clover_jax.drafters.base import SAVED, DraftIds, Drafter
+from clover_jax.drafters.registry import drafter_config
 from clover_jax.drafters.vocab import DraftVocab, ranking, resolve_size
 from clover_jax.errors import CloverError
 from clover_jax.io import formats
@@ -129,7 +130,7 @@ def read_heads_config(heads_dir: str | Path) -> dict:
         raise CloverError(f"{heads_dir}: no {CONFIG}; point --heads at a directory written by train.train")
     try:
         meta = json.loads(path.read_text())
-        HeadsConfig(**meta["heads"])
+        drafter_config(**meta["heads"])
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise CloverError(f"{path}: not a valid heads config ({e})") from None
     return meta
@@ -240,7 +241,7 @@ def load_heads(heads_dir: str | Path, base: Llama, method: str | None = None) ->
     if fields["method"] == "eagle3" and "aux_layer_ids" not in fields:
         # EAGLE-3 heads exported before heads.json named their feature layers drafted from these
         fields["aux_layer_ids"] = list(legacy_eagle3_layers(base.cfg.num_layers))
-    hcfg = HeadsConfig(**fields)
+    hcfg = drafter_config(**fields)
     if method is not None and hcfg.method != method:
         raise CloverError(f"{heads_dir}: holds {hcfg.method} heads, not {method}; pass matching --method and --heads")
     if meta.get("base_fingerprint") != base_fingerprint(base):

@@ -16,7 +16,8 @@ from pathlib import Path
 from clover_jax.drafters import BUILT_IN
 from clover_jax.drafters import registry
 from clover_jax.drafters.base import Drafter
-from clover_jax.drafters.heads import HeadsConfig, make_heads
+from clover_jax.drafters.heads import make_heads
+from clover_jax.drafters.registry import drafter_config
 from clover_jax.drafters.vocab import DraftVocab
 from clover_jax.engine.chunks import DEFAULT_LOOP_CHUNK
 from clover_jax.engine.decode import BUCKETS, Generator
@@ -74,7 +75,7 @@ def load_drafter(model: Llama, method: str, *, model_path=None, heads: str | Pat
     if heads == "random":
         if num_heads is not None and num_heads < 1:
             raise CloverError(f"num_heads={num_heads}: random heads need at least one head")
-        return LoadedDrafter(method, make_heads(HeadsConfig(method, num_heads or registry.get(method).depth), model,
+        return LoadedDrafter(method, make_heads(drafter_config(method, num_heads), model,
                                                 seed=seed), None)
     if heads in (None, "shipped"):
         shipped = sources.heads_root(model_path, model_dir or sources.model_dir(model_path)) / method

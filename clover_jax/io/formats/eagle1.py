@@ -19,7 +19,7 @@ import numpy as np
 from safetensors import safe_open
 
 from clover_jax.drafters import registry
-from clover_jax.drafters.base import HeadsConfig
+from clover_jax.drafters.registry import drafter_config
 from clover_jax.errors import CloverError
 from clover_jax.io.formats.eagle3_layout import (
     draft_layer,
@@ -85,7 +85,7 @@ def load(folder: Path, base: Llama):
         if "fc.bias" in tensors:
             raise CloverError(f"{where}: holds fc.bias, but {where_config} says bias false; the two disagree")
         tensors = {**tensors, "fc.bias": np.zeros(d, np.float32)}  # no bias: a zero one is the same map
-    hcfg = HeadsConfig(METHOD, registry.get(METHOD).depth, draft_layer=draft_layer(cfg, base), switches=(SWITCH,))
+    hcfg = drafter_config(METHOD, draft_layer=draft_layer(cfg, base), switches=(SWITCH,))
     drafter = registry.make_drafter(hcfg, base)
     used = read_params(drafter, tensors, where, "layers.0.")
     unexpected(tensors, used | {"embed_tokens.weight"}, where)

@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from clover_jax.drafters import registry
-from clover_jax.drafters.base import HeadsConfig
+from clover_jax.drafters.registry import drafter_config
 from clover_jax.drafters.draft_model import layer_keys
 from clover_jax.errors import CloverError
 from clover_jax.io.files import replace_together
@@ -47,7 +47,7 @@ class Eagle3Config:
     layer: dict  # the draft layer's config.json keys (hidden_size, heads, MLP, RoPE, vocab_size, ...)
     draft_vocab: int  # draft_vocab_size (the target's vocabulary size when the config has none)
     aux_layer_ids: tuple[int, ...] | None  # ours: outputs of decoder layers, 0-based; None: the authors' rule
-    switches: tuple[str, ...]  # `Eagle3.SWITCHES` that are on
+    switches: tuple[str, ...]  # `Eagle3Config.SWITCHES` that are on
     prefix: str  # the draft layer's tensor prefix, "midlayer." or "layers.0."
 
 
@@ -160,7 +160,7 @@ def layer_model_config(layer: dict, where: Path, base: Llama) -> ModelConfig:
 
 
 def draft_layer(cfg: ModelConfig, base: Llama) -> dict | None:
-    """`HeadsConfig.draft_layer` for a draft layer config: its keys where any differs from the base
+    """`EagleConfig.draft_layer` for a draft layer config: its keys where any differs from the base
     model's layers, else None."""
     keys = layer_keys(cfg)
     return None if keys == layer_keys(base.cfg) else keys
@@ -231,9 +231,9 @@ def load_eagle3(config: Eagle3Config, tensors: dict[str, np.ndarray], where: Pat
         raise CloverError(f"{where}: embed_tokens.weight has shape {list(embed.shape)}, but the base model's is "
                           f"{[v, d]}; this drafter belongs to another model")
     targets = vocab_ids(tensors, n, v, where)
-    hcfg = HeadsConfig("eagle3", registry.get("eagle3").depth, draft_vocab=0 if n == v else n,
-                       aux_layer_ids=tuple(int(i) for i in ids), draft_layer=draft_layer(cfg, base),
-                       switches=config.switches)
+    hcfg = drafter_config("eagle3", draft_vocab=0 if n == v else n,
+                          aux_layer_ids=tuple(int(i) for i in ids), draft_layer=draft_layer(cfg, base),
+                          switches=config.switches)
     drafter = registry.make_drafter(hcfg, base)
     used = read_params(drafter, tensors, where, config.prefix, EAGLE3_IN_LAYER, skip=("lm_head",))
     order = np.argsort(targets, kind="stable")

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from clover_jax.drafters import registry
-from clover_jax.drafters.base import HeadsConfig
+from clover_jax.drafters.registry import drafter_config
 from clover_jax.errors import CloverError
 from clover_jax.io.files import replace_together
 from clover_jax.io.formats.weights import read_config, read_tensors
@@ -124,7 +124,7 @@ def load(folder: Path, base: Llama):
             raise CloverError(f"{folder / CONFIG}: {key} {config[key]}, but the base model's is {ours}; these "
                               "heads belong to another model")
     _check(tensors, where, k, layers, base)
-    heads = registry.make_drafter(HeadsConfig(METHOD, k, head_layers=layers, own_lm_head=True), base)
+    heads = registry.make_drafter(drafter_config(METHOD, k, head_layers=layers, own_lm_head=True), base)
     dtype = base.dtype
     for i in range(k):
         block = heads.blocks[i].linear
