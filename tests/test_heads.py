@@ -5,7 +5,10 @@ initialisation cannot hide a missing or misplaced term. The initialisations are 
 before any re-draw. Letters: B batch, T positions, D model dim, V vocab, N attention heads.
 """
 
+import dataclasses
 import functools
+import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -162,6 +165,26 @@ def test_heads_config_defaults_and_errors():
                 dict(method="clover2", num_heads=5, embed_source="output"), dict(method="eagle3", num_heads=2, draft_vocab=-1)):
         with pytest.raises(CloverError):
             drafter_config(**bad)
+
+
+SHIPPED_CONFIGS = sorted((Path(__file__).parent.parent / "models").glob("*/heads/*/heads.json"))
+
+
+@pytest.mark.parametrize("path", SHIPPED_CONFIGS, ids=lambda p: f"{p.parts[-4]}-{p.parts[-2]}")
+def test_heads_json_written_before_each_method_had_its_config_still_reads(path):
+    """Every shipped heads.json was written by the one config class of every method, holding other
+    methods' fields at their defaults: each reads as its own method's config, keeping its own values."""
+    fields = json.loads(path.read_text())["heads"]
+    cfg = drafter_config(**fields)
+    assert type(cfg) is registry.get(fields["method"]).config
+    assert all(fields[k] == (list(v) if isinstance(v, tuple) else v)
+               for k, v in dataclasses.asdict(cfg).items() if k in fields)
+
+
+def test_a_foreign_option_away_from_its_old_default_is_refused_by_name():
+    with pytest.raises(CloverError, match="Medusa drafters have no option embed_source") as e:
+        drafter_config("medusa", 2, embed_source="input")
+    assert "\n" not in str(e.value)
 
 
 # ---------------------------------------------------------------- forward formulas against NumPy
