@@ -78,11 +78,14 @@ where a task's prompts fill their batches alone (always at batch 1).
 """
 
 
+DEFAULT_METHODS = ",".join(("plain",) + BUILT_IN)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infer.benchmark", description=__doc__.split("\n\n")[0],
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", metavar="DIR", help="Hugging Face checkpoint directory (default: the shipped reference model)")
-    p.add_argument("--methods", default=",".join(("plain",) + BUILT_IN), metavar="LIST",
+    p.add_argument("--methods", default=DEFAULT_METHODS, metavar="LIST",
                    help="comma-separated methods to measure (default: %(default)s); plain is always measured")
     p.add_argument("--heads-root", metavar="DIR",
                    help="directory holding one heads directory per method (default: MODEL/heads)")
@@ -163,9 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time plain and speculative steps of this architecture with random weights (bfloat16; "
                         "meant for an accelerator) and project speedup = tau (reference model) x plain step / spec step")
     p.add_argument("--shape-layers", type=int, metavar="L", help="with --shape: keep only the first L layers (a quicker, smaller run)")
-    p.add_argument("--mesh", metavar="SPEC", help="shard the engine over devices, e.g. data=2,model=4 or model=-1 "
-                                                 "(as infer.generate's --mesh; default: one device)")
-    cli.add_distributed_flags(p)
+    cli.add_mesh_flags(p, "the engine")
     p.add_argument("--profile", metavar="DIR",
                    help="also trace one batch of each method (first batch size and temperature) with jax.profiler "
                         "into DIR/<method> (Perfetto traces, for ui.perfetto.dev or TensorBoard) and report each "
@@ -312,6 +313,13 @@ def _benchmark(args: argparse.Namespace) -> int:
     if unknown:
         raise CloverError(f"--methods: unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
     methods = ["plain"] + [m for m in dict.fromkeys(methods) if m != "plain"]
+    if args.methods == DEFAULT_METHODS:  # every built-in method: those the heads root holds heads for
+        root = Path(args.heads_root) if args.heads_root else sources.heads_root(args.model, sources.model_dir(args.model))
+        absent = [m for m in methods[1:] if not (root / m).is_dir()]
+        if absent:
+            print(f"note: no {', '.join(absent)} heads under {root}; measuring the others (name a method in --methods "
+                  "to be told what is missing)", file=sys.stderr)
+        methods = [m for m in methods if m not in absent]
     sizes = cli.numbers(args.batch_sizes, "--batch-sizes", int, "integers", "1,8", 1)
     buckets = sorted(set(cli.numbers(args.buckets, "--buckets", int, "integers", "1024", 1))) if args.buckets else BUCKETS
     for flag, value in (("--num-prompts", args.num_prompts), ("--per-task", 1 if args.per_task is None else args.per_task),

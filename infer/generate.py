@@ -139,12 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, metavar="N",
                    help="prompts of --prompts generated together in one batch; a last, smaller batch is filled "
                         "to this size, so it needs no program of its own (default: 8; 1 with --stream)")
-    p.add_argument("--mesh", metavar="SPEC",
-                   help="shard over devices: axis=size pairs over data, fsdp and model, e.g. data=2,model=4; "
-                        "one axis may be -1, the devices the others leave (data=-1,model=4); sizes that "
-                        "multiply to fewer devices than there are take the first ones (the statistics line "
-                        "says how many); a batch is filled to a multiple of data x fsdp (default: one device)")
-    cli.add_distributed_flags(p)
+    cli.add_mesh_flags(p, "the engine", "; sizes that multiply to fewer devices than there are take the first "
+                       "ones (the statistics line says how many); a batch is filled to a multiple of data x fsdp")
     cli.add_compile_cache_flag(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per prompt (prompt, text, tokens, num_tokens, finish_reason: eos "

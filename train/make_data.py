@@ -296,10 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "answers whatever N; sampled ones differ with N (default: %(default)s)")
     p.add_argument("--seed", type=cli.seed, default=0, metavar="S",
                    help="self mode: sampling seed, 0 to 2**32-1; generation batch k uses S+k (default: %(default)s)")
-    p.add_argument("--mesh", metavar="SPEC",
-                   help="shard the base model over this process's devices, e.g. model=8 or data=2,model=4 (axes "
-                        "data, fsdp, model; one may be -1 for the rest); default: one device")
-    cli.add_distributed_flags(p)
+    cli.add_mesh_flags(p, "the base model")
     cli.add_compile_cache_flag(p)
     return p
 

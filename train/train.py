@@ -221,10 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "0 = run to --steps")
     p.add_argument("--max-minutes", type=float, default=0,
                    help="stop cleanly (checkpoint, no export) after this many minutes; 0 = no limit")
-    p.add_argument("--mesh", metavar="SPEC",
-                   help="shard base, heads, optimizer state and batches over devices, e.g. data=4,model=2 "
-                        "(axes data, fsdp, model; a resumed run may use another mesh)")
-    cli.add_distributed_flags(p)
+    cli.add_mesh_flags(p, "base, heads, optimizer state and batches", "; a resumed run may use another mesh")
     cli.add_compile_cache_flag(p)
     return p
 

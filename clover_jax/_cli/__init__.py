@@ -45,7 +45,7 @@ from clover_jax._cli.run import (
 from clover_jax._cli.runtime import (
     COMPILE_CACHE_ENV,
     add_compile_cache_flag,
-    add_distributed_flags,
+    add_mesh_flags,
     default_compile_cache,
     init_distributed,
     mesh_of,

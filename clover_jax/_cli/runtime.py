@@ -50,8 +50,13 @@ def use_compile_cache(flag: str | None) -> None:
     jax.config.update("jax_compilation_cache_dir", str(folder))
 
 
-def add_distributed_flags(p) -> None:
-    """Flags of a multi-process run (one process per host, or several on one machine)."""
+def add_mesh_flags(p, shards: str, note: str = "") -> None:
+    """--mesh (what it `shards`, over a device mesh; `note`: what the tool adds about it) and the flags of
+    a multi-process run (one process per host, or several on one machine)."""
+    p.add_argument("--mesh", metavar="SPEC",
+                   help=f"shard {shards} over devices: axis=size pairs over data, fsdp and model, e.g. "
+                        "data=2,model=4; one axis may be -1, the devices the others leave (data=-1,model=4)"
+                        f"{note} (default: one device)")
     g = p.add_argument_group("multi-process (jax.distributed; also read from JAX's environment variables)")
     g.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0's coordinator service")
     g.add_argument("--num-processes", type=int, metavar="N", help="processes taking part")
