@@ -25,6 +25,7 @@ from clover_jax.io import sources
 from clover_jax.io import tokenization
 
 
+@pytest.mark.slow
 def test_benchmark_runs_and_reports(tmp_path, capsys):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     code = benchmark.main(["--methods", "plain,medusa,clover2", "--num-prompts", "3", "--batch-sizes", "1",
@@ -81,6 +82,7 @@ def test_benchmark_runs_and_reports(tmp_path, capsys):
     assert "hf-prompt-lookup" in table and "of the limit" in table and "projected speedup" in table
 
 
+@pytest.mark.slow
 def test_default_tree_is_auto_and_each_row_names_the_tree_it_used(tmp_path, capsys):
     """No --tree: each method's `auto` tree, resolved as infer.generate resolves it (on this CPU a chain
     through every head for heads that record no held-out tau per depth, as the reference model's), and
@@ -121,6 +123,7 @@ def test_default_tree_is_auto_and_each_row_names_the_tree_it_used(tmp_path, caps
     assert (row["tree"], row["tree_nodes"], row["step_cost"], row["tau"]) == ("plain", 1, None, 1.0)
 
 
+@pytest.mark.slow
 def test_repeats_0_times_the_one_pass_it_makes(tmp_path, monkeypatch):
     """--repeats 0: each engine makes one pass over the prompts, which gives tau, the tokens and the
     times (compiling left out); the bandwidth line's own programs still compile in an untimed pass, over
@@ -198,6 +201,7 @@ def test_output_paths_are_checked_before_anything_runs(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("temperature", ["0", "1"])
+@pytest.mark.slow
 def test_fit_tree_keeps_the_nodes_where_the_runs_drafts_were_accepted(tmp_path, capsys, temperature):
     """--fit-tree N: a row on a static tree records each node's hits (the root's: its drafting steps;
     a depth's together: the steps accepting that deep or deeper), and the N-node subtree that held the
@@ -218,6 +222,7 @@ def test_fit_tree_keeps_the_nodes_where_the_runs_drafts_were_accepted(tmp_path, 
     assert f"fitted tree (8 nodes, depth {fitted.max_depth}) written to {tree_out}" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_benchmark_sampling_and_draft_vocabulary_rows(tmp_path):
     """--temperatures adds sampled rows (speculative sampling: tau >= 1, no token-equality claim), and
     --draft-vocab one row per vocabulary: auto is the shipped heads' 128 tokens when greedy and the whole
@@ -244,6 +249,7 @@ def test_benchmark_sampling_and_draft_vocabulary_rows(tmp_path):
         "plain": 0, "medusa chain:1 dv=0": 0, "medusa chain:1": 0, "medusa chain:1 dv=160": 160}
 
 
+@pytest.mark.slow
 def test_later_turns_are_asked_after_plain_greedy_answers(tmp_path, capsys, monkeypatch):
     """--chat: a multi-turn record's later turns are measured too, each asked after the conversation so
     far with plain greedy decoding's answers in it, as Spec-Bench asks MT-Bench's second questions.
@@ -290,6 +296,7 @@ def test_later_turns_are_asked_after_plain_greedy_answers(tmp_path, capsys, monk
         assert {t: f["prompts"] for t, f in per_task.items()} == {"mt_bench": 2 if turns == "all" else 1, "qa": 1}
 
 
+@pytest.mark.slow
 def test_one_bucket_compiles_one_program_per_method(tmp_path):
     """--buckets 512: every prompt is padded to 512 tokens, so each method compiles once, where the default
     buckets take one program per prompt length class; the tokens stay plain decoding's."""
@@ -329,6 +336,7 @@ def test_per_task_figures_are_each_tasks_own_prompts_and_batches():
     assert [w for _, w in tasks.first_of_each_task(records, 2)] == ["q:0", "q:1", "q:3", "q:5"]  # math is MT-Bench's
 
 
+@pytest.mark.slow
 def test_benchmark_reports_spec_bench_tasks(tmp_path, capsys):
     records = [{"question_id": 1, "category": "writing", "turns": ["def add(a, b):"]},
                {"question_id": 2, "category": "roleplay", "turns": ["class Point:"]},
@@ -357,6 +365,7 @@ def test_benchmark_reports_spec_bench_tasks(tmp_path, capsys):
     assert "per task, batch 3" in text and png.read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_stop_at_eos_ends_each_answer_where_the_model_does(tmp_path, capsys):
     """--chat stops each answer at the model's EOS, as Spec-Bench does (--no-stop-at-eos: exactly
     --max-new-tokens); the transformers rows stop there too and write the same tokens, and every row

@@ -385,6 +385,7 @@ def test_runs_as_a_module(tmp_path):
     assert "--max-new-tokens" in proc.stdout
 
 
+@pytest.mark.slow
 def test_compiled_programs_are_kept_between_runs(model_dir, tmp_path):
     """--compile-cache: the first run writes its compiled programs there, a second run loads them and
     writes the same text; off writes nothing; a folder that cannot be written to is one error line."""
@@ -408,9 +409,15 @@ def test_compiled_programs_are_kept_between_runs(model_dir, tmp_path):
 
 
 def test_ci_runs_the_readmes_test_command():
+    """The README's test command (the fast tests) is a line of .ci/run, and the slow ones follow it there:
+    together they are the whole suite."""
     readme = (REPO / "README.md").read_text()
-    [command] = [line for line in readme.splitlines() if "python -m pytest" in line]
-    assert command in (REPO / ".ci" / "run").read_text().splitlines()
+    blocks = re.findall(r"```bash\n(.*?)```", readme, re.S)
+    [command] = [line for block in blocks for line in block.splitlines() if "python -m pytest" in line]
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    assert command in ci and command.endswith('python -m pytest -q -m "not slow"')
+    assert ci.index(command) < ci.index("python -m pytest -q -m slow")
+    assert "`python -m pytest -q` runs every test" in readme
 
 
 def test_layers_read_library_then_tools():

@@ -84,6 +84,7 @@ def test_every_run_of_the_check_parses_with_the_benchmarks_flags(dry):
     assert next(r for r in without if r.name == "loop-cmdbuf").env["XLA_FLAGS"] == check.COMMAND_BUFFER_XLA
 
 
+@pytest.mark.slow
 def test_the_checks_dry_mode_writes_what_a_lease_returns(tmp_path):
     done = subprocess.run([sys.executable, "-m", "device.check", "--dry", "--out", str(tmp_path), "--jobs", "2",
                            "--only", "loop-base"], cwd=REPO, capture_output=True, text=True,
@@ -99,6 +100,7 @@ def test_the_checks_dry_mode_writes_what_a_lease_returns(tmp_path):
     assert "## loop-base" in (tmp_path / "summary.md").read_text()
 
 
+@pytest.mark.slow
 def test_the_trainings_dry_mode_returns_heads_and_curves(tmp_path):
     done = subprocess.run([sys.executable, "-m", "device.train", "--dry", "--out", str(tmp_path), "--methods", "medusa"],
                           cwd=REPO, capture_output=True, text=True, timeout=900)

@@ -158,6 +158,7 @@ def _tool(*argv, **popen):
                             text=True, **popen)
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_generate_is_130_with_whole_lines_every_time():
     for delay in (0.0, 0.03, 0.3):
         proc = _tool("infer.generate", "--model", REFERENCE, "--prompts", REFERENCE / "prompts.jsonl", "--json",
@@ -173,6 +174,7 @@ def test_ctrl_c_during_generate_is_130_with_whole_lines_every_time():
         assert lines and all(json.loads(line)["text"] is not None for line in lines)
 
 
+@pytest.mark.slow
 def test_a_closed_pipe_ends_quietly_with_141():
     """`| head -c 10`: the reader goes; the tool ends with 141 (as a Unix tool killed by SIGPIPE), silent."""
     proc = _tool("infer.generate", "--model", REFERENCE, "--prompts", REFERENCE / "prompts.jsonl",

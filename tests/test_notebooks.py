@@ -16,7 +16,8 @@ from nbclient import NotebookClient
 
 from conftest import tiny_llama_checkpoint
 
-pytestmark = pytest.mark.optimized  # its time goes into running programs, not compiling them
+pytestmark = [pytest.mark.optimized,  # its time goes into running programs, not compiling them
+              pytest.mark.slow]  # each notebook runs end to end
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"

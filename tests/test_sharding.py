@@ -40,6 +40,7 @@ def sharded_results():
 
 
 @pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.slow
 def test_sharded_generation_matches_one_device(sharded_results, mesh):
     """model=4 runs on 4 of the 8 devices; a single prompt is filled to the batch split and comes back alone."""
     one, sharded = sharded_results["None"], sharded_results[mesh]
@@ -55,6 +56,7 @@ def test_sharded_generation_matches_one_device(sharded_results, mesh):
         assert sharded["long_prompt"] == one["long_prompt"]  # its prefill in query blocks
 
 
+@pytest.mark.slow
 def test_params_and_caches_really_are_sharded(sharded_results):
     r = sharded_results["data=2,model=4"]
     assert r["gate_proj"] == str(PartitionSpec(None, "model")) and r["gate_proj_shards"] == 4
@@ -86,6 +88,7 @@ def test_mesh_spec_parsing_and_errors():
     assert dict(make_mesh("model=-1").shape) == {"data": 1, "fsdp": 1, "model": 1}
 
 
+@pytest.mark.slow
 def test_a_mesh_may_take_fewer_devices_or_the_rest(sharded_results):
     """On 8 devices: -1 takes what the other axes leave; sizes multiplying to fewer take the first ones."""
     shapes = sharded_results["shapes"]
@@ -108,6 +111,7 @@ def test_a_mesh_that_does_not_divide_the_model_is_one_clear_line():
     assert spec_for(("embed", "kv_heads"), (32, 4), Fake()) == PartitionSpec(None, "model")
 
 
+@pytest.mark.slow
 def test_two_processes_generate_the_single_process_tokens(sharded_results):
     """jax.distributed on localhost: two processes of 2 CPU devices each, one data=2,model=2 mesh."""
     with socket.socket() as s:
@@ -131,6 +135,7 @@ def test_two_processes_generate_the_single_process_tokens(sharded_results):
         assert r["plain"] == one["plain"] and r["speculative"] == one["speculative"]
 
 
+@pytest.mark.slow
 def test_generate_one_prompt_on_a_data_axis_and_the_rest_of_the_devices(capsys):
     """`infer.generate --mesh data=2,model=-1 --prompt ...` on 8 devices: the single prompt is filled to the
     data axis, -1 takes the 4 devices left, the statistics line says so, and the text is one device's."""
@@ -148,6 +153,7 @@ def test_generate_one_prompt_on_a_data_axis_and_the_rest_of_the_devices(capsys):
     assert "mesh data=2,model=4 on 8 of 8 devices" in proc.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_sharded_training_matches_and_resumes_on_another_mesh(model_dir, datasets, tmp_path):
     """8 virtual CPU devices, in a fresh process (the device count is fixed when JAX starts): Clover-2
     heads trained on a data=4,model=2 mesh equal the one-device run, and so does a run stopped on that

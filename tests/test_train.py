@@ -38,6 +38,8 @@ from train import make_data
 from train import train
 from train.data import HeadDataset
 
+pytestmark = pytest.mark.slow  # training runs of train.train, end to end
+
 STEPS, SEED, NUM_HEADS = 6, 3, 2
 
 

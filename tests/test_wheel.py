@@ -52,6 +52,7 @@ def wheel(tmp_path_factory) -> Path:
     return built
 
 
+@pytest.mark.slow
 def test_the_wheel_carries_the_shipped_models_and_heads_and_not_the_distillation_data(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     for f in ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
@@ -73,6 +74,7 @@ def test_the_wheel_carries_the_shipped_models_and_heads_and_not_the_distillation
     assert not [n for n in names if "distill" in n or n.startswith("models/")]
 
 
+@pytest.mark.slow
 def test_the_wheel_holds_every_module_of_every_package(wheel):
     """pyproject.toml names its packages one by one (the shipped folder is mapped in among them): a new
     subpackage missing from that list would install without its modules."""
@@ -82,6 +84,7 @@ def test_the_wheel_holds_every_module_of_every_package(wheel):
             assert module.relative_to(REPO).as_posix() in names, module
 
 
+@pytest.mark.slow
 def test_an_unpacked_wheel_finds_its_shipped_files_from_any_folder(wheel, tmp_path):
     site = tmp_path / "site-packages"
     zipfile.ZipFile(wheel).extractall(site)
