@@ -123,7 +123,7 @@ def test_draft_ids_outside_the_vocabulary_are_one_clear_line(base, tmp_path):
 def test_eagle3_heads_name_their_feature_layers_and_old_ones_keep_theirs(base, tmp_path):
     """New EAGLE-3 heads draft from the authors' layers and heads.json says so; a heads.json written
     before it named them loads with the layers those heads were trained on (one higher)."""
-    from clover_jax.model.llama import eagle3_layers, legacy_eagle3_layers
+    from clover_jax.drafters.eagle3 import eagle3_layers, legacy_eagle3_layers
 
     save_heads(make_heads(drafter_config("eagle3", 2), base), base, tmp_path)
     meta = json.loads((tmp_path / CONFIG).read_text())

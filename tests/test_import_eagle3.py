@@ -34,7 +34,8 @@ from clover_jax.io import formats
 from clover_jax.io.formats import weights
 from clover_jax.io.heads_dir import load_heads, save_heads
 from clover_jax.io.hf import load_pretrained, save_safetensors
-from clover_jax.model.llama import causal_self_mask, eagle3_layers
+from clover_jax.drafters.eagle3 import eagle3_layers
+from clover_jax.model.llama import causal_self_mask
 from conftest import assert_one_line, tiny_tokenizer
 from reference_eagle3 import Eagle3Reference
 from train import tokenizer as tokenizer_lib

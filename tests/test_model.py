@@ -14,7 +14,8 @@ from flax import nnx
 from clover_jax.model import layers
 from clover_jax.model.cache import causal_mask, tree_mask
 from clover_jax.model.config import ModelConfig, rope_inv_freq
-from clover_jax.model.llama import Llama, causal_self_mask, eagle3_layers, legacy_eagle3_layers
+from clover_jax.drafters.eagle3 import eagle3_layers, legacy_eagle3_layers
+from clover_jax.model.llama import Llama, causal_self_mask
 from conftest import FAMILY_NAMES, hf_logits, random_tokens
 
 TOL = 1e-4

@@ -12,7 +12,8 @@ from flax import nnx
 from clover_jax.io.hf import load_pretrained
 from clover_jax.drafters.heads import make_heads
 from clover_jax.drafters.registry import drafter_config
-from clover_jax.model.llama import causal_self_mask, eagle3_layers
+from clover_jax.drafters.eagle3 import eagle3_layers
+from clover_jax.model.llama import causal_self_mask
 from conftest import tiny_llama_checkpoint
 from train import make_data, train
 from train.data import HeadDataset

@@ -27,7 +27,7 @@ The output directory (`train.data.HeadDataset` reads it):
                  'V2' records: view it as `ml_dtypes.bfloat16`): the base model's last hidden state
                  before the final norm at every token, from one causal forward over the whole example
   features.npy   [N, 3, D] (with --store-features, in the --store-hidden dtype): the outputs of the low,
-                 middle and high decoder layers EAGLE-3 drafts from (`model.llama.eagle3_layers`: the authors' outputs of 1, L/2-1, L-4), from the
+                 middle and high decoder layers EAGLE-3 drafts from (`drafters.eagle3.eagle3_layers`: the authors' outputs of 1, L/2-1, L-4), from the
                  same forward; meta.json's feature_layers names them
   meta.json      written last, so a directory without it is not a finished dataset
 The dataset is built in the sibling folder OUT.building and swapped into OUT when whole: a dataset
@@ -56,7 +56,8 @@ from clover_jax.io.hf import load_pretrained
 from clover_jax.engine.decode import Generator
 from clover_jax.errors import CloverError
 from clover_jax.io.files import space_errors
-from clover_jax.model.llama import Llama, eagle3_layers
+from clover_jax.drafters.eagle3 import eagle3_layers
+from clover_jax.model.llama import Llama
 from clover_jax.engine.sampling import SamplingConfig
 from clover_jax import _cli as cli
 from clover_jax._cli.conversation import answer_turns, encode_conversation, masked_ids, record_turns

@@ -4,7 +4,7 @@ Both run one Llama decoder layer (`DraftLayer`) over entries: entry t pairs the 
 feature at t, and the layer's output o_t is the predicted feature at t+1, which scores x_{t+2}.
 - committed entries (`commit`) take the base model's feature: EAGLE-1 its last hidden state before the
   final norm (after it in the authors' published drafters: switch normed_features), EAGLE-3 an FC
-  fusion (3D -> D) of a low, a middle and a high layer's outputs (`model.llama.eagle3_layers`), both
+  fusion (3D -> D) of a low, a middle and a high layer's outputs (`eagle3.eagle3_layers`), both
   from verification's own forward pass; they go into the draft layer's own KV cache, written only for
   the committed (accepted) positions, so it never holds a rejected token;
 - a tree node at depth k >= 1 is entry L - 1 + k (its position), holding its token and its parent's

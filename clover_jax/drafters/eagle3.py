@@ -19,9 +19,23 @@ from clover_jax.drafters.registry import Method, register
 from clover_jax.drafters.vocab import DraftVocab
 from clover_jax.errors import CloverError
 from clover_jax.model.layers import Linear, RMSNorm
-from clover_jax.model.llama import Llama, eagle3_layers
+from clover_jax.model.llama import Llama, clamp_layers
 
 EAGLE3_DECAY = 0.8  # training-time test step k weighted 0.8^k (the authors' main.py)
+
+
+def eagle3_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's three feature layers of an L-layer model, as its authors define them: the decoder layers
+    whose *outputs* it fuses, 0-based, 1, L // 2 - 1 and L - 4 (the authors' code captures the hidden
+    states entering layers 2, L // 2 and L - 3; SpecForge's `eagle_aux_hidden_state_layer_ids` default),
+    clamped into the model for the tiny ones tests build. For SmolLM2 (L = 30): 1, 14, 26."""
+    return clamp_layers((1, num_layers // 2 - 1, num_layers - 4), num_layers)
+
+
+def legacy_eagle3_layers(num_layers: int) -> tuple[int, int, int]:
+    """The layers EAGLE-3 heads exported before heads.json named them were trained on, outputs of 2,
+    L // 2 and L - 3: one above the authors' (`eagle3_layers`). Their heads.json is read with these."""
+    return clamp_layers((2, num_layers // 2, num_layers - 3), num_layers)
 
 
 @dataclasses.dataclass(frozen=True)

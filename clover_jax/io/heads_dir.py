@@ -36,7 +36,8 @@ from clover_jax.errors import CloverError
 from clover_jax.io import formats
 from clover_jax.io.files import check_free_space, check_whole, replace_together, sha256, space_errors
 from clover_jax.model.layers import from_stored, stored_parts, to_stored
-from clover_jax.model.llama import Llama, legacy_eagle3_layers
+from clover_jax.drafters.eagle3 import legacy_eagle3_layers
+from clover_jax.model.llama import Llama
 from clover_jax.trees.static import Tree
 
 WEIGHTS = "heads.safetensors"

@@ -92,20 +92,6 @@ class Llama(nnx.Module):
         return KVCache.zeros(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim, self.dtype)
 
 
-def eagle3_layers(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's three feature layers of an L-layer model, as its authors define them: the decoder layers
-    whose *outputs* it fuses, 0-based, 1, L // 2 - 1 and L - 4 (the authors' code captures the hidden
-    states entering layers 2, L // 2 and L - 3; SpecForge's `eagle_aux_hidden_state_layer_ids` default),
-    clamped into the model for the tiny ones tests build. For SmolLM2 (L = 30): 1, 14, 26."""
-    return clamp_layers((1, num_layers // 2 - 1, num_layers - 4), num_layers)
-
-
-def legacy_eagle3_layers(num_layers: int) -> tuple[int, int, int]:
-    """The layers EAGLE-3 heads exported before heads.json named them were trained on, outputs of 2,
-    L // 2 and L - 3: one above the authors' (`eagle3_layers`). Their heads.json is read with these."""
-    return clamp_layers((2, num_layers // 2, num_layers - 3), num_layers)
-
-
 def clamp_layers(layers, num_layers: int) -> tuple[int, ...]:
     """Layer indices clamped into 0..L-1."""
     return tuple(min(max(int(i), 0), num_layers - 1) for i in layers)

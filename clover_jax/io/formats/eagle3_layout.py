@@ -29,7 +29,8 @@ from clover_jax.io.files import replace_together
 from clover_jax.io.hf import save_safetensors
 from clover_jax.model.config import ModelConfig
 from clover_jax.model.layers import from_stored, stored_parts, to_stored
-from clover_jax.model.llama import Llama, eagle3_layers
+from clover_jax.drafters.eagle3 import eagle3_layers
+from clover_jax.model.llama import Llama
 
 # HF's LlamaConfig defaults, for configs that leave a key out (speculators writes only what differs).
 LLAMA_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
