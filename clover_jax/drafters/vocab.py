@@ -21,9 +21,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from clover_jax.errors import CloverError
 from clover_jax.model.layers import product
+from clover_jax.model.sharding import spec_for
 
 AUTO_COVERAGE = 0.999  # greedy `auto` keeps the most frequent tokens that make up this share of the counts
 # Sampling `auto` keeps the most probable tokens holding this share of the base model's probability mass:
@@ -124,6 +126,13 @@ class DraftVocab:
     def logits(self, hidden_normed: jax.Array) -> jax.Array:
         """Draft logits over the subset: [..., D] -> [..., N] float32, index i scoring token ids[i]."""
         return product("...d,nd->...n", hidden_normed, self.rows.astype(hidden_normed.dtype)).astype(jnp.float32)
+
+    def on_mesh(self, mesh) -> "DraftVocab":
+        """Its rows split over `mesh` like the lm_head they were copied from (over the vocabulary), its
+        ids replicated."""
+        rows = NamedSharding(mesh, spec_for(("vocab", "embed"), self.rows.shape, mesh, "draft vocabulary"))
+        return self.replace(ids=jax.device_put(self.ids, NamedSharding(mesh, PartitionSpec())),
+                            rows=jax.device_put(self.rows, rows))
 
     def take(self, full_logits: jax.Array) -> jax.Array:
         """The subset's columns of logits over the whole vocabulary (for drafters that score all of it)."""

@@ -37,7 +37,7 @@ from clover_jax.engine.drafting import StepTree, draft_tree, path_to
 from clover_jax.errors import CloverError
 from clover_jax.model.llama import Llama
 from clover_jax.engine.sampling import BONUS, ACCEPT, SamplingConfig, distribution, draw, sample, step_keys, use_keys
-from clover_jax.model.sharding import place_draft_vocab, shard_module
+from clover_jax.model.sharding import shard_module
 from clover_jax.trees.dynamic import DynamicTree
 from clover_jax.trees.static import Tree
 
@@ -250,7 +250,7 @@ class SpeculativeGenerator(Generator):
         if self.mesh is not None:
             shard_module(drafter, self.mesh)
             if draft_vocab is not None:
-                draft_vocab = place_draft_vocab(draft_vocab, self.mesh)
+                draft_vocab = draft_vocab.on_mesh(self.mesh)
         if tree.max_depth > drafter.num_heads and not drafter.chained:
             raise CloverError(f"tree depth {tree.max_depth} exceeds the {drafter.num_heads} draft heads; "
                               "pick a shallower tree")

@@ -155,14 +155,6 @@ def constrain_cache(cache: KVCache, mesh: Mesh | None) -> KVCache:
     return cache.replace(k=pin(cache.k), v=pin(cache.v))
 
 
-def place_draft_vocab(vocab, mesh: Mesh):
-    """A draft vocabulary's rows split like the lm_head they were copied from (over the vocabulary),
-    its ids replicated."""
-    rows = NamedSharding(mesh, spec_for(("vocab", "embed"), vocab.rows.shape, mesh, "draft vocabulary"))
-    return vocab.replace(ids=jax.device_put(vocab.ids, NamedSharding(mesh, PartitionSpec())),
-                         rows=jax.device_put(vocab.rows, rows))
-
-
 def batch_split(mesh: Mesh | None) -> int:
     """How many ways `mesh` splits a batch (data x fsdp; 1 without a mesh): a batch must be a multiple of it."""
     return 1 if mesh is None else math.prod(mesh.shape[a] for a in RULES["batch"])
