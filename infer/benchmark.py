@@ -313,13 +313,6 @@ def _benchmark(args: argparse.Namespace) -> int:
     if unknown:
         raise CloverError(f"--methods: unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
     methods = ["plain"] + [m for m in dict.fromkeys(methods) if m != "plain"]
-    if args.methods == DEFAULT_METHODS:  # every built-in method: those the heads root holds heads for
-        root = Path(args.heads_root) if args.heads_root else sources.heads_root(args.model, sources.model_dir(args.model))
-        absent = [m for m in methods[1:] if not (root / m).is_dir()]
-        if absent:
-            print(f"note: no {', '.join(absent)} heads under {root}; measuring the others (name a method in --methods "
-                  "to be told what is missing)", file=sys.stderr)
-        methods = [m for m in methods if m not in absent]
     sizes = cli.numbers(args.batch_sizes, "--batch-sizes", int, "integers", "1,8", 1)
     buckets = sorted(set(cli.numbers(args.buckets, "--buckets", int, "integers", "1024", 1))) if args.buckets else BUCKETS
     for flag, value in (("--num-prompts", args.num_prompts), ("--per-task", 1 if args.per_task is None else args.per_task),
@@ -349,9 +342,16 @@ def _benchmark(args: argparse.Namespace) -> int:
     mesh = cli.mesh_of(args)
     _, model = load_pretrained(path, dtype=DTYPES[args.dtype], mesh=mesh)
     heads_root = Path(args.heads_root) if args.heads_root else sources.heads_root(args.model, path)
+    # Every built-in method (the default): those the heads root holds heads for.
+    absent = [m for m in methods[1:] if not (heads_root / m).is_dir()] if args.methods == DEFAULT_METHODS else []
+    methods = [m for m in methods if m not in absent]
+    configs = [c for c in configs if c[0] not in absent]
     # Each method's drafter is loaded once, for every tree, temperature and batch size it runs at.
     drafters = {m: load_drafter(model, m, heads=heads_root / m, seed=args.seed) for m in methods if m != "plain"}
     temps = cli.numbers(args.temperatures, "--temperatures", float, "numbers", "0,1", 0)
+    if absent:
+        print(f"note: no {', '.join(absent)} heads under {heads_root}; measuring the others (name a method in "
+              "--methods to be told what is missing)", file=sys.stderr)
     # `auto` may stand for another tree (or none: PLAIN) when sampling, whose steps cost more.
     at_temp = {}
     for t in temps:
