@@ -12,7 +12,7 @@ EAGLE-3) draft from an untrained layer and are checked for exactness alone."""
 import numpy as np
 import pytest
 
-from clover_jax.drafters import registry
+from clover_jax.drafters import HEADS, registry
 from clover_jax.drafters.heads import make_heads
 from clover_jax.drafters.registry import drafter_config
 from clover_jax.engine.decode import Generator
@@ -60,7 +60,7 @@ def test_greedy_speculative_output_is_plain_greedy_output(loaded, plain, family,
     want = [plain(family)[i] for i in rows]
     assert out.tokens == want
     hist = np.asarray(out.accept_hist).sum(0)
-    if not registry.get(method).chained:
+    if method in HEADS:  # perturbed heads draft near the base model; a random block drafter need not
         assert hist[1:].sum() > 0, hist  # some steps accepted drafts
 
 
