@@ -27,7 +27,7 @@ from clover_jax.engine.speculative import SpeculativeGenerator
 from clover_jax.io import formats
 from clover_jax.io.heads_dir import load_heads, save_heads
 from clover_jax.trees.spec import resolve_tree
-from test_dflash import BLOCK, MASK, PROMPT, PROMPTS, authors_model, committed, our_blocks, reference_block
+from test_dflash import BLOCK, MASK, PROMPT, PROMPTS, authors_model, committed, our_blocks, qwen3, reference_block  # noqa: F401
 
 torch = pytest.importorskip("torch")
 dflash_model = pytest.importorskip("dflash.model", reason="the authors' package: pip install --no-deps dflash==0.1.0")
@@ -44,12 +44,6 @@ def published(model, path):
         tensors[name] = tensors.pop(f"{name}.weight")
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
-
-
-@pytest.fixture(scope="module")
-def qwen3(loaded):
-    hf, _, _, base = loaded("qwen3-kv2")
-    return hf, base
 
 
 @pytest.fixture(scope="module")
