@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import json
 import sys
 import time
 from pathlib import Path
@@ -185,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "whole vocabulary), as decoding drafts from a draft vocabulary: the vocabulary "
                         "projections, most of a step on a CPU, cost N/V as much (SmolLM2: 8192 of 49,152). "
                         f"{own_vocab_titles()} always scores its own --draft-vocab")
+    p.add_argument("--option", action="append", type=method_option, metavar="NAME=VALUE",
+                   help="set one of the method's own options (repeat the flag for more; a comma list is a list), "
+                        "e.g. --option draft_layers=2 --option target_layer_ids=1,14,26 for DFlash. "
+                        f"Each method's: {options_help()}")
     p.add_argument("--init-from", metavar="HEADS",
                    help="start from these trained heads instead of a fresh initialisation, and train them on "
                         "with a new schedule and new optimizer state: a directory train.train exported (e.g. "
@@ -232,10 +237,37 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def method_options(args) -> dict:
-    """The drafter options the flags set (--embed-source, --draft-vocab), those of them the method has."""
+    """The drafter options the flags set: --embed-source and --draft-vocab where the method has them, and
+    every --option NAME=VALUE (which the method's config refuses by name if it lacks it)."""
     fields = {f.name for f in dataclasses.fields(registry.get(args.method).config)}
     given = {"embed_source": args.embed_source, "draft_vocab": args.draft_vocab}
-    return {name: value for name, value in given.items() if value and name in fields}
+    return {**{name: value for name, value in given.items() if value and name in fields}, **dict(args.option or ())}
+
+
+def method_option(text: str) -> tuple[str, object]:
+    """--option NAME=VALUE: VALUE read as JSON where it parses (2, 0.5, true, null, [1, 14]), a comma list
+    of such values as a list (1,14,26), else as text."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: give NAME=VALUE, e.g. draft_layers=2")
+
+    def read(v: str):
+        try:
+            return json.loads(v)
+        except ValueError:
+            return v
+    parts = [read(v.strip()) for v in value.split(",")] if "," in value and not value.lstrip().startswith("[") else None
+    return name.strip(), parts if parts is not None else read(value.strip())
+
+
+def options_help() -> str:
+    """Each method's own options (its config's fields past method and num_heads), as --option lists them."""
+    rows = []
+    for m in registry.names():
+        names = [f.name for f in dataclasses.fields(registry.get(m).config) if f.name not in ("method", "num_heads")]
+        if names:
+            rows.append(f"{m}: {', '.join(names)}")
+    return "; ".join(rows)
 
 
 def check_seq_len(seq_len: int, depth: int, flag: str = "--seq-len") -> None:
@@ -306,6 +338,9 @@ def run(args) -> int:
             if asked and asked != theirs:
                 raise CloverError(f"--init-from {args.init_from} holds heads with {flag} {theirs}, not {asked}; "
                                   f"drop {flag} (the heads keep their own)")
+        if args.option:
+            raise CloverError(f"--init-from {args.init_from} keeps its own options; drop --option "
+                              f"{' '.join(f'{k}=...' for k, _ in args.option)}")
     else:
         hcfg = drafter_config(args.method, args.num_heads, **method_options(args))
         drafter = registry.make_drafter(hcfg, base, seed=args.seed)
@@ -349,6 +384,7 @@ def run(args) -> int:
     # Options a method lacks pin as every run pinned them before each method had a config of its own.
     pin_run(work, {"method": hcfg.method, "num_heads": hcfg.num_heads,
                    "embed_source": getattr(hcfg, "embed_source", "lm_head"), "draft_vocab": getattr(hcfg, "draft_vocab", 0),
+                   **({"options": dict(args.option)} if args.option else {}),
                    "base": str(Path(args.base).resolve()), "data": str(Path(args.data).resolve()),
                    "seed": args.seed,  # it draws the batches: a resume with another would not continue the run
                    "counts_from": str(Path(args.counts_from).resolve()) if args.counts_from else None,
