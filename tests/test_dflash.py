@@ -287,6 +287,7 @@ def test_exports_load_back_into_the_authors_model_and_ours(qwen3, written, tmp_p
 
 @pytest.mark.parametrize("case, edit, message", [
     ("block size 0", {"dflash_config.block_size": 0}, "block_size 0 must be an integer >= 2"),
+    ("block above the tree budget", {"dflash_config.block_size": 4097}, "block size 4097 is above the 4096 nodes"),
     ("mask token outside", {"dflash_config.mask_token_id": 64}, "mask_token_id 64 is outside the base model's vocabulary"),
     ("no mask token", {"dflash_config.mask_token_id": None}, "mask_token_id"),
     ("unknown option", {"dflash_config.block_rotation": 2}, "dflash_config has unknown key 'block_rotation'"),

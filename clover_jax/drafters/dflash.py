@@ -45,6 +45,7 @@ from clover_jax.model.config import ModelConfig
 from clover_jax.model.layers import DecoderLayer, Linear, RMSNorm, _split_softmax, attend, product
 from clover_jax.model.llama import Llama
 from clover_jax.model.sharding import constrain_cache
+from clover_jax.trees.static import MAX_NODES
 
 # The paper's decay of the loss over block positions, by block size (16, 10, 8); other sizes take the
 # nearest listed one's.
@@ -81,6 +82,9 @@ class DFlashConfig(DrafterConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.num_heads + 1 > MAX_NODES:
+            raise CloverError(f"block size {self.num_heads + 1} is above the {MAX_NODES} nodes a step verifies: a chain "
+                              f"through the whole block could not be checked; use a block of at most {MAX_NODES}")
         if not isinstance(self.draft_layers, int) or self.draft_layers < 1:
             raise CloverError(f"draft_layers={self.draft_layers!r} must be an integer >= 1")
         if self.draft_layer is not None:
