@@ -449,6 +449,15 @@ def test_evaluate_records_the_chain_tau_by_depth_that_auto_picks_its_chain_by(tr
     taus = after["evaluated"]["val_chain_tau_by_depth"]
     assert len(taus) == NUM_HEADS and taus == sorted(taus) and held_out_chain_tau(heads) == taus
     assert after["evaluated"]["split"] == "all" and after["evaluated"]["data"] == str(datasets["plain"])
+    sampled = after["evaluated"]["val_sampled_chain_tau_by_depth"]["1"]
+    assert len(sampled) == NUM_HEADS and all(1 <= t <= 1 + NUM_HEADS for t in sampled)
+    # Recording again on the same data keeps what it did not measure again: a tree replayed before.
+    assert evaluate.main(["--heads", str(heads), "--base", str(model_dir), "--data", str(datasets["plain"]),
+                          "--split", "all", "--tree", "chain:2", "--record"]) == 0
+    assert evaluate.main(["--heads", str(heads), "--base", str(model_dir), "--data", str(datasets["plain"]),
+                          "--split", "all", "--record"]) == 0
+    again = json.loads((heads / "heads.json").read_text())["evaluated"]
+    assert list(again["val_tree_tau"]) == ["chain:2"] and again["val_chain_tau_by_depth"] == taus
 
 
 def test_evaluate_fits_a_tree_that_default_then_drafts(trained, model_dir, datasets, tmp_path, capsys):

@@ -3,7 +3,7 @@
     python -m train.evaluate --heads models/smollm2/heads/eagle3 --base smollm2 --data data/smollm2-sharegpt-640f
 
 Prints the held-out figures train.train records (loss, each head's top-1 and top-5 accuracy, the chain
-tau through the first 1, 2, ... heads) for heads as they are stored, on another dataset or split than
+tau through the first 1, 2, ... heads, greedy and when sampling at temperature 1) for heads as they are stored, on another dataset or split than
 they were trained with. Heads exported before train.train recorded the chain tau per depth can gain
 it with `--record`, which `--tree auto` on a CPU then picks its chain depth by.
 
@@ -137,6 +137,15 @@ def replayed_trees(args, drafter, kept: list) -> dict:
     return {"val_tree_tau": taus} if taus else {}
 
 
+def recorded(before: dict | None, report: dict) -> dict:
+    """What --record writes as heads.json's RECORD: the new report, keeping the trees replayed before on the
+    same data and split that this run did not replay again (so measuring one more figure loses none)."""
+    if not isinstance(before, dict) or (before.get("data"), before.get("split")) != (report["data"], report["split"]):
+        return report
+    trees = {**(before.get("val_tree_tau") or {}), **(report.get("val_tree_tau") or {})}
+    return {**before, **report, **({"val_tree_tau": trees} if trees else {})}
+
+
 def run(args) -> int:
     cli.use_compile_cache(args.compile_cache)
     for flag, path in (("--json", args.json), ("--tree-out", args.tree_out)):
@@ -191,11 +200,13 @@ def run(args) -> int:
     print(f"{drafter.hcfg.method} heads in {args.heads} on {args.data} ({args.split}): "
           f"loss {figures['val_loss']:.4f}, top-1 per head {[round(a, 3) for a in figures['val_top1']]}, "
           f"chain tau through 1, 2, ... heads {[round(t, 3) for t in figures['val_chain_tau_by_depth']]}")
+    for temperature, taus in figures["val_sampled_chain_tau_by_depth"].items():
+        print(f"  sampled at temperature {temperature}: chain tau through 1, 2, ... heads {[round(t, 3) for t in taus]}")
     report.update(replayed_trees(args, drafter, kept))
     if args.json:
         write_text(args.json, json.dumps(report, indent=2) + "\n")
     if args.record:
-        meta[RECORD] = report
+        meta[RECORD] = recorded(meta.get(RECORD), report)
         write_text(Path(args.heads) / CONFIG, json.dumps(meta, indent=2) + "\n")
         print(f"recorded as '{RECORD}' in {Path(args.heads) / CONFIG}", file=sys.stderr)
     return 0

@@ -4,7 +4,8 @@ in the teacher-forced drafts (`target_ranks`), and decoding's steps replayed ove
 
 `tree_steps` replays decoding's steps over the same teacher-forced drafts, which gives the tokens per
 step a chain through every head, or any static tree, will reach; per-head accuracy overstates it
-(docs/history/benchmarks.md).
+(docs/history/benchmarks.md). When sampling, a draft is kept with probability sum_v min(p(v), q(v))
+(`accept_probability`), so `sampled_chain_tau` gives what a chain reaches at a temperature.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clover_jax.drafters.losses import masked_mean
+from clover_jax.drafters.losses import masked_mean, shifted
 from clover_jax.engine.decode import to_host
 
 
@@ -112,6 +113,40 @@ def path_counts(ranks: np.ndarray, loss_mask: np.ndarray, depth: int, counts: di
     return counts
 
 
+# The temperatures whose held-out chain tau training and evaluation record beside the greedy one, which
+# `--tree auto` picks a chain by when sampling.
+SAMPLED_TEMPERATURES = (1.0,)
+
+
+def accept_probability(head_logits: jax.Array, base_logits: jax.Array, masks: jax.Array,
+                       temperature: float) -> jax.Array:
+    """[K, B, T]: the chance that speculative sampling at `temperature` keeps head k's draft at position t,
+    sum_v min(p(v), q(v)), p the base model's distribution of token t+2+k (its logits at position t+1+k)
+    and q the head's, both at the temperature over the same vocabulary (drafts drawn at the temperature,
+    as `draft_temperature` 1 draws them); 0 where the target does not count (masks), lies past the window or a logit is NaN."""
+    k = head_logits.shape[0]
+    p = jax.nn.softmax(shifted(base_logits, k).astype(jnp.float32) / temperature, axis=-1)
+    q = jax.nn.softmax(head_logits.astype(jnp.float32) / temperature, axis=-1)
+    kept = jnp.sum(jnp.minimum(p, q), axis=-1)
+    t = head_logits.shape[2]
+    inside = (jnp.arange(t)[None, :] + jnp.arange(1, k + 1)[:, None] < t)[:, None, :]  # token t+2+k's logits exist
+    return jnp.where((masks > 0) & inside & jnp.isfinite(kept), kept, 0.0)
+
+
+def sampled_chain_steps(accept: np.ndarray, loss_mask: np.ndarray, depth: int) -> tuple[float, int]:
+    """(expected accepted drafts summed, steps) of chains `depth` deep started at every position a step
+    could start at (`_response_steps`), each accepting draft d with the product of the first d
+    `accept_probability` values [K, B, T] there: what a sampled chain step accepts on average."""
+    survive = np.cumprod(np.asarray(accept, np.float64)[:depth], axis=0)  # [D, B, T]: drafts 1..d all kept
+    total, steps = 0.0, 0
+    for b, row in enumerate(np.asarray(loss_mask) > 0):
+        span = _response_steps(row, depth)
+        if span:
+            total += float(survive[:, b, span[0]:span[1]].sum())
+            steps += span[1] - span[0]
+    return total, steps
+
+
 def tau_of(hist: np.ndarray) -> float:
     """Mean tokens per step, the bonus token included, of a [K+1] histogram of accepted drafts."""
     return float(1 + hist @ np.arange(len(hist)) / max(hist.sum(), 1))
@@ -121,9 +156,11 @@ def held_out_figures(batch_metrics, batches, limit: int, kept: list | None = Non
     """The held-out figures train.train records and train.evaluate measures: over the first `limit` of
     `batches`, the mean loss, each head's top-1 and top-5 accuracy, and the chain tau of chains through
     the first 1, 2, ... heads (decoding's steps replayed over the responses). `batch_metrics(batch)`
-    gives `head_loss`'s metrics with ranks. Each batch's (ranks, loss mask) on the host is appended to
+    gives `head_loss`'s metrics with ranks and acceptance (`accept`: [S, K, B, T], one
+    `accept_probability` per SAMPLED_TEMPERATURES); the chain tau when sampling at each of those
+    temperatures is `val_sampled_chain_tau_by_depth` {"1": [...]}. Each batch's (ranks, loss mask) on the host is appended to
     `kept` when given, for replaying trees afterwards. Empty when there is no batch."""
-    sums, n, steps = None, 0, {}
+    sums, n, steps, sampled = None, 0, {}, {}
     for i, batch in enumerate(batches):
         if i >= limit:
             break
@@ -131,6 +168,11 @@ def held_out_figures(batch_metrics, batches, limit: int, kept: list | None = Non
         ranks = to_host(m.pop("ranks"))
         for depth in range(1, len(ranks) + 1):  # a chain through the first `depth` heads
             steps[depth] = steps.get(depth, 0) + tree_steps(ranks, batch["loss_mask"], chain_paths(depth))
+        for temperature, accept in zip(SAMPLED_TEMPERATURES, to_host(m.pop("accept"))):
+            for depth in range(1, len(ranks) + 1):
+                got = sampled_chain_steps(accept, batch["loss_mask"], depth)
+                was = sampled.get((temperature, depth), (0.0, 0))
+                sampled[(temperature, depth)] = (was[0] + got[0], was[1] + got[1])
         if kept is not None:
             kept.append((ranks, np.asarray(batch["loss_mask"])))
         m = jax.device_get(m)
@@ -141,4 +183,7 @@ def held_out_figures(batch_metrics, batches, limit: int, kept: list | None = Non
     m = jax.tree.map(lambda x: np.asarray(x) / n, sums)
     return {"val_loss": float(m["loss"]), "val_top1": m["top1"].tolist(), "val_top5": m["top5"].tolist(),
             "val_chain_tau": tau_of(steps[max(steps)]),
-            "val_chain_tau_by_depth": [tau_of(steps[d]) for d in sorted(steps)]}
+            "val_chain_tau_by_depth": [tau_of(steps[d]) for d in sorted(steps)],
+            "val_sampled_chain_tau_by_depth": {
+                f"{t:g}": [1 + sampled[(t, d)][0] / max(sampled[(t, d)][1], 1) for d in sorted(steps)]
+                for t in SAMPLED_TEMPERATURES}}

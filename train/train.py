@@ -114,7 +114,8 @@ def head_loss(drafter: Drafter, base: Llama, batch: dict, with_ranks: bool = Fal
               vocab: DraftVocab | None = None, steps: int | None = None):
     """(loss, metrics) of one batch: the method's loss plus per-head losses and top-1/top-5 accuracy;
     `with_ranks` adds where each target ranks in its head's logits [K, B, T] (`losses.target_ranks`),
-    which evaluation replays decoding's steps from.
+    which evaluation replays decoding's steps from, and the chance each draft is kept when sampling
+    ([S, K, B, T], `losses.accept_probability` at each of `losses.SAMPLED_TEMPERATURES`).
     `key`: a training step's randomness (EAGLE-1's feature noise); None in evaluation.
 
     `vocab` (a loss vocabulary, `--loss-vocab`): drafter and base model are scored over its N tokens
@@ -140,6 +141,8 @@ def head_loss(drafter: Drafter, base: Llama, batch: dict, with_ranks: bool = Fal
                "top5": losses.topk_accuracy(head_logits, targets, masks, 5)}
     if with_ranks:
         metrics["ranks"] = losses.target_ranks(head_logits, targets, masks)
+        metrics["accept"] = jnp.stack([losses.accept_probability(head_logits, base_logits, masks, t)
+                                       for t in losses.SAMPLED_TEMPERATURES])
     return loss, metrics
 
 
