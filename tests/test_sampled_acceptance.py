@@ -63,3 +63,22 @@ def test_held_out_figures_record_the_sampled_chain_tau():
     assert list(sampled) == ["1"]
     assert sampled["1"] == pytest.approx([1.5, 1.75])
     assert figures["val_chain_tau_by_depth"][-1] > sampled["1"][-1]
+
+
+def test_heads_json_gives_the_greedy_or_the_sampled_chain_tau(tmp_path):
+    import json
+
+    from clover_jax.errors import CloverError
+    from clover_jax.io.heads_dir import held_out_chain_tau
+
+    (tmp_path / "heads.json").write_text(json.dumps({"heads": {"method": "medusa", "num_heads": 2}, "held_out": {
+        "val_chain_tau_by_depth": [1.4, 1.5], "val_sampled_chain_tau_by_depth": {"1": [1.2, 1.25]}}}))
+    assert held_out_chain_tau(tmp_path) == [1.4, 1.5]
+    assert held_out_chain_tau(tmp_path, sampling=True) == [1.2, 1.25]
+    (tmp_path / "heads.json").write_text(json.dumps({"heads": {"method": "medusa", "num_heads": 2}, "held_out": {
+        "val_chain_tau_by_depth": [1.4, 1.5]}}))
+    assert held_out_chain_tau(tmp_path, sampling=True) is None  # heads measured before: no sampled figure
+    (tmp_path / "heads.json").write_text(json.dumps({"heads": {"method": "medusa", "num_heads": 2}, "held_out": {
+        "val_sampled_chain_tau_by_depth": {"0.7": [1.3]}}}))
+    with pytest.raises(CloverError, match="temperature '1'"):
+        held_out_chain_tau(tmp_path, sampling=True)

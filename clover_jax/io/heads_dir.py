@@ -143,23 +143,29 @@ def is_ours(heads_dir: str | Path) -> bool:
     return any((Path(heads_dir) / name).is_file() for name in (CONFIG, WEIGHTS))
 
 
-def held_out_chain_tau(heads_dir: str | Path | None) -> list[float] | None:
-    """The held-out tokens a step that chains through the first 1, 2, ... heads reached
-    (`val_chain_tau_by_depth` in heads.json, which `--tree auto` on a CPU picks its chain depth by):
-    train.train's own figure, else one train.evaluate recorded for heads exported before train.train
-    kept it; None for heads with neither, no directory (random heads), or a published drafter's (no
-    heads.json: `formats`)."""
+def held_out_chain_tau(heads_dir: str | Path | None, sampling: bool = False) -> list[float] | None:
+    """The held-out tokens a step that chains through the first 1, 2, ... heads reached, which `--tree auto`
+    on a CPU picks its chain depth by: greedy, `val_chain_tau_by_depth` in heads.json; when `sampling`,
+    `val_sampled_chain_tau_by_depth` at temperature 1 (each draft kept with the overlap of the two
+    distributions), which stands for every temperature above 0: at lower ones drafts are kept more often,
+    so it errs toward decoding plain. train.train's own figure, else one train.evaluate recorded; None
+    for heads with neither, no directory (random heads), or a published drafter's (no heads.json: `formats`)."""
     if heads_dir is None or not is_ours(heads_dir):
         return None
     meta = read_heads_config(heads_dir)
-    found = [m["val_chain_tau_by_depth"] for m in (meta.get("held_out"), meta.get("evaluated"))
-             if isinstance(m, dict) and "val_chain_tau_by_depth" in m]
+    key = "val_sampled_chain_tau_by_depth" if sampling else "val_chain_tau_by_depth"
+    found = [m[key] for m in (meta.get("held_out"), meta.get("evaluated")) if isinstance(m, dict) and key in m]
     if not found:
         return None
     taus = found[0]
+    if sampling:
+        taus = taus.get("1") if isinstance(taus, dict) else None
+        if taus is None:
+            raise CloverError(f"{Path(heads_dir) / CONFIG}: {key} should map temperature '1' to a list of numbers "
+                              "(one per head); delete the entry or measure the heads again with python -m train.evaluate")
     if not (isinstance(taus, list) and taus and all(isinstance(t, (int, float)) and t >= 1 for t in taus)):
-        raise CloverError(f"{Path(heads_dir) / CONFIG}: val_chain_tau_by_depth should be a list of "
-                          "numbers >= 1, one per head; delete the entry or re-export the heads")
+        raise CloverError(f"{Path(heads_dir) / CONFIG}: {key} should be a list of numbers >= 1, one per head; "
+                          "delete the entry or re-export the heads")
     return [float(t) for t in taus]
 
 
