@@ -56,12 +56,16 @@ def auto_tree(num_heads: int, backend: str | None = None, chain_tau=None, sampli
     a step of chains through the first 1, 2, ... heads reach, which train.train records as
     `val_chain_tau_by_depth`), the depth with the most tokens per unit of `cpu_chain_cost` (`cost`, timed
     here, or the fitted model, dearer when `sampling`), or PLAIN where even that depth is modelled to
-    write fewer tokens than plain decoding in the same time; without `chain_tau`, a chain through every head."""
+    write fewer tokens than plain decoding in the same time. When `sampling`, `chain_tau` is to be the
+    sampled figure (`val_sampled_chain_tau_by_depth`): greedy figures overstate what sampling keeps (on
+    the reference model's heads, paced chains picked by them ran at 0.74-0.94x plain at T=1). Without
+    `chain_tau`: greedy, a chain through every head (drafters measured nowhere, such as published ones);
+    sampling, PLAIN, since nothing says any draft is kept at that temperature."""
     if (backend or jax.default_backend()) != "cpu":
         return "default"
     taus = list(chain_tau or [])[:num_heads]
     if not taus:
-        return f"chain:{num_heads}"
+        return PLAIN if sampling else f"chain:{num_heads}"
     speed = [tau / cpu_chain_cost(k + 1, sampling, cost) for k, tau in enumerate(taus)]
     best = max(range(len(speed)), key=speed.__getitem__)
     return f"chain:{best + 1}" if speed[best] > 1 else PLAIN

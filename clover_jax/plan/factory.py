@@ -51,8 +51,13 @@ class LoadedDrafter:
 
     @property
     def chain_tau(self) -> list[float] | None:
-        """Held-out tokens per step of chains through the first 1, 2, ... heads (None: not recorded)."""
+        """Held-out tokens per step of chains through the first 1, 2, ... heads, greedy (None: not recorded)."""
         return held_out_chain_tau(self.heads_dir)
+
+    @property
+    def sampled_chain_tau(self) -> list[float] | None:
+        """The same when sampling (at temperature 1; None: not recorded)."""
+        return held_out_chain_tau(self.heads_dir, sampling=True)
 
     def fitted_tree(self) -> Tree | None:
         """The static tree fitted to these heads (their tree.json), or None."""
@@ -89,11 +94,13 @@ def load_drafter(model: Llama, method: str, *, model_path=None, heads: str | Pat
 def plan_tree(model: Llama, drafter: LoadedDrafter, vocab: DraftVocab | None, *, tree, greedy: bool,
               step_cost: str | float | None, mesh=None) -> tuple[str | Tree | None, float | None]:
     """(the tree to draft, or PLAIN; the step cost to pace it by) for a `--tree` and a `--step-cost`
-    value: `auto` picks by the heads' held-out chain tau and, on a CPU, this machine's timed chain step
-    cost (`step_cost.chain_cost`, timed once and kept); any other tree is as given."""
+    value: `auto` picks by the heads' held-out chain tau (greedy, or when sampling the sampled one) and,
+    on a CPU, this machine's timed chain step cost (`step_cost.chain_cost`, timed once and kept); any
+    other tree is as given."""
     sampling = not greedy
     timed = chain_cost(model, drafter.drafter, vocab, sampling, mesh) if tree == "auto" else None
-    picked = auto_tree(drafter.num_heads, chain_tau=drafter.chain_tau, sampling=sampling, cost=timed)
+    taus = drafter.sampled_chain_tau if sampling else drafter.chain_tau
+    picked = auto_tree(drafter.num_heads, chain_tau=taus, sampling=sampling, cost=timed)
     spec = picked if tree == "auto" else tree
     return spec, None if spec == PLAIN else step_cost_for(step_cost, tree, picked, sampling=sampling, cost=timed)
 

@@ -65,9 +65,10 @@ def resolve_tree(spec, method: str, num_heads: int, chain_tau=None, sampling: bo
     if s == "auto":
         picked = auto_tree(heads, backend, chain_tau=chain_tau, sampling=sampling)
         if picked == PLAIN:
+            measured = (f"held-out tau {', '.join(f'{t:.2f}' for t in chain_tau)}" if chain_tau
+                        else "no held-out tau when sampling")
             raise CloverError(f"tree auto: with these heads no chain is modelled to beat plain decoding on this "
-                              f"{backend or jax.default_backend()} (held-out tau "
-                              f"{', '.join(f'{t:.2f}' for t in chain_tau)}); decode without drafting, or name a "
+                              f"{backend or jax.default_backend()} ({measured}); decode without drafting, or name a "
                               "tree such as chain:1")
         return resolve_tree(picked, method, heads, fitted_tree=fitted_tree, backend=backend)
     if s in NAMED_TREES:
