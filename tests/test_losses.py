@@ -1,14 +1,16 @@
-"""The losses (`clover_jax.drafters.losses`, Clover-2's `distill_loss`) and `train.losses`' metrics
+"""The losses (`clover_jax.drafters.losses`, Clover-2's `distill_loss`, EAGLE-1's `eagle_loss`) and `train.losses`' metrics
 against explicit loops over tiny NumPy arrays (and PyTorch's smooth L1): each method's loss, per-head
 weights and masks, top-k accuracy, and the chain replay that `train.train` reports as held-out chain tau."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
 from clover_jax.drafters import losses as shared
-from clover_jax.drafters.clover2 import distill_loss
+from clover_jax.drafters.clover2 import HIDDEN_WEIGHT, distill_loss
+from clover_jax.drafters.eagle import EAGLE_CE_WEIGHT, eagle_loss
 from train import losses
 
 
@@ -129,6 +131,49 @@ def test_distill_loss_by_hand():
     _, _, ce_masks, ce_targets = shared.cross_entropy_loss(c["head_logits"], c["tokens"], c["loss_mask"])
     np.testing.assert_array_equal(masks, ce_masks)
     np.testing.assert_array_equal(targets, ce_targets)
+
+
+def _distill_as_written_before(head_hidden, head_logits, feature, base_logits, tokens, loss_mask, feature_weight,
+                               ce_weight):
+    """The per-step loop Clover-2's and EAGLE-1's losses each wrote out before `distill_steps` held it."""
+    targets, masks = shared.targets_and_masks(tokens, loss_mask, head_hidden.shape[0])
+    p_base = shared.base_distribution(base_logits)
+    per_step = []
+    for k in range(head_hidden.shape[0]):
+        f_target = jax.lax.stop_gradient(shared.shift_left(feature, k + 1))
+        p_target = shared.shift_left(p_base, k + 1)
+        loss = (feature_weight * shared.smooth_l1(head_hidden[k], f_target)
+                + ce_weight * shared.soft_cross_entropy(head_logits[k], p_target))
+        per_step.append(shared.masked_mean(loss, masks[k]))
+    return jnp.stack(per_step), masks, targets
+
+
+@pytest.mark.parametrize("method", ["clover2", "eagle"])
+def test_the_shared_distillation_gives_each_methods_numbers_as_before(method):
+    """Clover-2's and EAGLE-1's losses through `distill_steps` equal their former loops to the bit, as
+    do their gradients, eagerly and jitted; EAGLE-1 regresses base_hidden (before the final norm)."""
+    c = _case(seed=5, k_heads=4, t_len=6)
+    c["base_hidden"] = np.random.default_rng(6).normal(size=c["base_normed"].shape).astype(np.float32)
+    loss_fn, feature, weights, combine = {
+        "clover2": (distill_loss, "base_normed", (HIDDEN_WEIGHT, 1.0), lambda per: jnp.sum(shared.head_weights(4) * per)),
+        "eagle": (eagle_loss, "base_hidden", (1.0, EAGLE_CE_WEIGHT), lambda per: per[0])}[method]
+
+    def new(hidden, logits):
+        return loss_fn(hidden, logits, c["base_normed"], c["base_logits"], c["tokens"], c["loss_mask"], c["base_hidden"])
+
+    def old(hidden, logits):
+        per, masks, targets = _distill_as_written_before(hidden, logits, c[feature], c["base_logits"], c["tokens"],
+                                                         c["loss_mask"], *weights)
+        return combine(per), per, masks, targets
+
+    for run in (lambda f: f, jax.jit):
+        got, want = run(new)(c["head_hidden"], c["head_logits"]), run(old)(c["head_hidden"], c["head_logits"])
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+        grad = lambda f: run(jax.grad(lambda h, x: f(h, x)[0], argnums=(0, 1)))(c["head_hidden"], c["head_logits"])
+        for g, w in zip(grad(new), grad(old)):
+            np.testing.assert_array_equal(g, w)
+    assert float(got[0]) > 0 and np.all(np.asarray(got[1]) > 0)
 
 
 @pytest.mark.parametrize("top", [1, 2])

@@ -13,15 +13,7 @@ from flax import nnx
 
 from clover_jax.drafters.base import DrafterConfig
 from clover_jax.drafters.heads import Heads, eye_plus_uniform, gate_heads, last_layer_copies, token_embeddings
-from clover_jax.drafters.losses import (
-    base_distribution,
-    head_weights,
-    masked_mean,
-    shift_left,
-    smooth_l1,
-    soft_cross_entropy,
-    targets_and_masks,
-)
+from clover_jax.drafters.losses import distill_steps, head_weights
 from clover_jax.drafters.registry import Method, register
 from clover_jax.errors import CloverError
 from clover_jax.model.config import ModelConfig
@@ -115,22 +107,12 @@ class Clover2Heads(Heads):
 
 def distill_loss(head_hidden: jax.Array, head_logits: jax.Array, base_normed: jax.Array,
                  base_logits: jax.Array, tokens: jax.Array, loss_mask: jax.Array, base_hidden=None):
-    """Clover-2 distils the base model: head k at t learns the base model at t+1+k (the position whose
-    output is token t+2+k's distribution), 10 x SmoothL1 between the head's lm_head input and the base
-    model's normed hidden state there plus the soft cross-entropy against its softmax; head k weighted
-    0.7^k. head_hidden [K, B, T, D], head_logits [K, B, T, V]; base_normed [B, T, D] and base_logits
-    [B, T, V] of the base model at every position. Returns as `losses.cross_entropy_loss`."""
-    k_heads = head_hidden.shape[0]
-    targets, masks = targets_and_masks(tokens, loss_mask, k_heads)
-    p_base = base_distribution(base_logits)
-    per_head = []
-    for k in range(k_heads):
-        h_target = jax.lax.stop_gradient(shift_left(base_normed, k + 1))
-        p_target = shift_left(p_base, k + 1)
-        loss = HIDDEN_WEIGHT * smooth_l1(head_hidden[k], h_target) + soft_cross_entropy(head_logits[k], p_target)
-        per_head.append(masked_mean(loss, masks[k]))
-    per_head = jnp.stack(per_head)
-    return jnp.sum(head_weights(k_heads) * per_head), per_head, masks, targets
+    """Clover-2 distils the base model (`losses.distill_steps`): 10 x SmoothL1 between head k's lm_head
+    input and the base model's normed hidden state at t+1+k plus the soft cross-entropy against its
+    distribution there; head k weighted 0.7^k. Returns as `losses.cross_entropy_loss`."""
+    per_head, masks, targets = distill_steps(head_hidden, head_logits, base_normed, base_logits, tokens, loss_mask,
+                                             feature_weight=HIDDEN_WEIGHT, ce_weight=1.0)
+    return jnp.sum(head_weights(head_hidden.shape[0]) * per_head), per_head, masks, targets
 
 
 register(Method("clover2", Clover2Heads, Clover2Config, depth=5, tree="eagle_mc_sim_7b_63", loss=distill_loss,

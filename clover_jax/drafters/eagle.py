@@ -13,14 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from clover_jax.drafters.draft_model import DraftLayer, EagleConfig, EagleDrafter, layer_config
-from clover_jax.drafters.losses import (
-    base_distribution,
-    masked_mean,
-    shift_left,
-    smooth_l1,
-    soft_cross_entropy,
-    targets_and_masks,
-)
+from clover_jax.drafters.losses import distill_steps
 from clover_jax.drafters.registry import Method, register
 from clover_jax.errors import CloverError
 from clover_jax.model.layers import Linear
@@ -76,20 +69,12 @@ class Eagle(EagleDrafter):
 def eagle_loss(head_hidden, head_logits, base_normed, base_logits, tokens, loss_mask, base_hidden=None):
     """EAGLE-1 on the training-time test's steps (`EagleDrafter.unroll`): at step k the draft layer's
     output predicts the base model's feature at t+1+k (before the final norm, base_hidden [B, T, D]):
-    SmoothL1 to it plus 0.1 x the soft cross-entropy against the base model's distribution there.
-    EAGLE-1 trains the first step alone (on the target features); the deeper steps are scored (per-step
-    losses, accuracy) but weighted 0. Returns as `losses.cross_entropy_loss`."""
-    k_heads = head_hidden.shape[0]
-    targets, masks = targets_and_masks(tokens, loss_mask, k_heads)
-    p_base = base_distribution(base_logits)
-    per_head = []
-    for k in range(k_heads):
-        f_target = jax.lax.stop_gradient(shift_left(base_hidden, k + 1))
-        p_target = shift_left(p_base, k + 1)
-        loss = smooth_l1(head_hidden[k], f_target) + EAGLE_CE_WEIGHT * soft_cross_entropy(head_logits[k], p_target)
-        per_head.append(masked_mean(loss, masks[k]))
-    per_head = jnp.stack(per_head)
-    return per_head[0], per_head, masks, targets
+    SmoothL1 to it plus 0.1 x the soft cross-entropy against the base model's distribution there
+    (`losses.distill_steps`). EAGLE-1 trains the first step alone (on the target features); the deeper
+    steps are scored (per-step losses, accuracy) but weighted 0. Returns as `losses.cross_entropy_loss`."""
+    per_step, masks, targets = distill_steps(head_hidden, head_logits, base_hidden, base_logits, tokens, loss_mask,
+                                             feature_weight=1.0, ce_weight=EAGLE_CE_WEIGHT)
+    return per_step[0], per_step, masks, targets
 
 
 # On accelerators it drafts EAGLE-2's dynamic tree, as the authors' EAGLE-2 release evaluates it (60

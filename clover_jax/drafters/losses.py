@@ -95,6 +95,28 @@ def cross_entropy_loss(head_logits: jax.Array, tokens: jax.Array, loss_mask: jax
     return jnp.sum(head_weights(k_heads) * per_head), per_head, masks, targets
 
 
+def distill_steps(head_hidden: jax.Array, head_logits: jax.Array, feature: jax.Array, base_logits: jax.Array,
+                  tokens: jax.Array, loss_mask: jax.Array, feature_weight: float, ce_weight: float):
+    """The distillation Clover-2's and EAGLE-1's losses share: step (head) k at t learns the base model at
+    t+1+k (the position whose output is token t+2+k's distribution), feature_weight x SmoothL1 between
+    head_hidden[k] and the base model's `feature` there plus ce_weight x the soft cross-entropy of
+    head_logits[k] against its distribution there. head_hidden [K, B, T, D], head_logits [K, B, T, V],
+    feature [B, T, D] and base_logits [B, T, V] at every position, constants of the loss. Returns
+    (per-step losses [K], masks [K, B, T], targets [K, B, T]); the method weighs the steps. The steps
+    are slices, not one `shifted` gather: at these methods' shapes the gather measured slower."""
+    k_heads = head_hidden.shape[0]
+    targets, masks = targets_and_masks(tokens, loss_mask, k_heads)
+    p_base = base_distribution(base_logits)
+    per_step = []
+    for k in range(k_heads):
+        f_target = jax.lax.stop_gradient(shift_left(feature, k + 1))
+        p_target = shift_left(p_base, k + 1)
+        loss = (feature_weight * smooth_l1(head_hidden[k], f_target)
+                + ce_weight * soft_cross_entropy(head_logits[k], p_target))
+        per_step.append(masked_mean(loss, masks[k]))
+    return jnp.stack(per_step), masks, targets
+
+
 def cross_entropy(head_hidden, head_logits, base_normed, base_logits, tokens, loss_mask, base_hidden=None):
     """Medusa's and Clover's loss: `cross_entropy_loss` under the signature every method's loss shares
     (the module docstring); it reads the heads' logits alone."""
