@@ -118,7 +118,7 @@ def test_a_template_that_refuses_a_system_turn_is_one_line(hf_tok, monkeypatch):
     """Some templates (Mistral's, Gemma's) raise on a system turn: that is the user's error, in one line."""
     refusing = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
     monkeypatch.setattr(hf_tok, "chat_template", refusing)
-    needle = r"refused the prompt: System role not supported; it may take no system turn: drop --system"
+    needle = r"refused the prompt: System role not supported; it may take no system turn: drop system="
     with pytest.raises(CloverError, match=needle) as e:
         tokenization.encode(hf_tok, "hi", chat=True, system="be brief")
     assert "\n" not in str(e.value)

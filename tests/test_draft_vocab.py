@@ -73,8 +73,8 @@ def test_probability_mass_sums_the_next_token_distributions_where_masked():
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("many", "--draft-vocab 'many': give auto, 0"),
-    ("-3", "--draft-vocab -3 must be >= 0"),
+    ("many", "draft_vocab='many': give auto, 0"),
+    ("-3", "draft_vocab=-3 must be >= 0"),
 ])
 def test_bad_sizes_are_one_line(spec, message):
     with pytest.raises(CloverError, match=message) as err:
@@ -83,7 +83,7 @@ def test_bad_sizes_are_one_line(spec, message):
 
 
 def test_a_size_without_counts_says_what_to_do():
-    with pytest.raises(CloverError, match="carry no token counts.*train.train.*--draft-vocab 0") as err:
+    with pytest.raises(CloverError, match="carry no token counts.*train.train.*draft_vocab=0") as err:
         resolve_size("16", None, 64)
     assert_one_line(err)
 

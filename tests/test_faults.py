@@ -321,6 +321,27 @@ def test_an_os_error_names_the_file_asked_for(error, needle, capsys):
     assert cli.run_main(body) == 2
     assert needle in one_error_line(capsys.readouterr().err)
 
+@pytest.mark.parametrize("message, arguments, printed", [
+    ("x; lower max_new_tokens= or raise max_len=", ("max_new_tokens", "max_len"),
+     "x; lower --max-new-tokens or raise --max-len"),
+    ("draft_vocab='many': give auto; or pass draft_vocab=0", ("draft_vocab",),
+     "--draft-vocab 'many': give auto; or pass --draft-vocab 0"),
+    ("system= is a turn of the chat template; add chat=True", ("system", "chat"),
+     "--system is a turn of the chat template; add --chat"),
+    ("streaming (on_tokens=) runs in one process", ("on_tokens",), "streaming (--stream) runs in one process"),
+    ("mesh='data=2,model=x': not an integer", ("mesh",), "--mesh 'data=2,model=x': not an integer"),
+    ("max_len=4 stays", (), "max_len=4 stays"),
+])
+def test_a_library_error_names_arguments_and_a_tool_prints_its_flags(message, arguments, printed, capsys):
+    """The library speaks of the arguments a Python caller passed; run_main prints those the error lists
+    as the flags a tool's user typed, and leaves every other `name=` in the line as it is."""
+    def body():
+        raise CloverError(message, arguments=arguments)
+
+    assert cli.run_main(body) == 2
+    assert one_error_line(capsys.readouterr().err) == f"error: {printed}"
+
+
 
 def test_ctrl_c_asks_once_interrupts_twice_and_an_ignored_sigint_stays_ignored(capsys, ctrl_c):
     """runs.stop_on_interrupt: the first SIGINT only asks the loop to stop, a second one interrupts, the

@@ -299,7 +299,7 @@ def test_heads_by_hub_id(base, tmp_path, monkeypatch, capsys):
     with pytest.raises(CloverError) as e:
         factory.load_drafter(base, "clover", heads="org/medusa-st")
     assert_one_line(e)
-    assert "runs as --method medusa" in str(e.value)
+    assert "runs as method=medusa" in str(e.value)
 
     # A repository holding only a pickle: the snapshot takes no pickle, and the line says how to convert it.
     with pytest.raises(CloverError) as e:

@@ -9,6 +9,7 @@ import argparse
 import errno
 import gc
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -21,6 +22,9 @@ from clover_jax.errors import CloverError
 INTERRUPTED = 130  # the exit status of a run stopped by Ctrl-C, as a shell reports one
 CLOSED_PIPE = 141  # the exit status of a writer whose reader went (`| head`), as a shell reports SIGPIPE
 SEEDS = 2 ** 32  # a JAX random key holds 32 bits of a seed: 2**32 would draw what 0 draws
+# The flags not named after their argument (`Generator.generate(on_tokens=)` is --stream); any other
+# argument `name_x` is the flag `--name-x`.
+FLAGS = {"on_tokens": "--stream"}
 
 
 def _probe(folder: Path, flag: str, path) -> None:
@@ -161,6 +165,19 @@ def os_error_line(e: OSError) -> str:
     return message
 
 
+def flag_message(e: CloverError) -> str:
+    """A `CloverError`'s line as a tool's user reads it: each argument the message names
+    (`e.arguments`) as its flag, `name=value` as `--name value`, `name=True` and a bare `name=` as
+    `--name`; the library's messages speak of arguments (`clover_jax.errors`)."""
+    message = " ".join(str(e).split("\n"))
+    for name in e.arguments:
+        flag = FLAGS.get(name, "--" + name.replace("_", "-"))
+        # group 1: "True", "" before a value, None before a space, a mark or the end
+        pattern = rf"(?<![\w.-]){re.escape(name)}=(True\b|(?=[^\s,;:)]))?"
+        message = re.sub(pattern, lambda m: flag + (" " if m.group(1) == "" else ""), message)
+    return message
+
+
 def run_main(body: Callable[[], int]) -> int:
     """Run a tool's body; a user error prints one `error:` line on stderr and returns 2, Ctrl-C one
     `interrupted` line (no traceback) and returns 130 (`_CtrlC`: always, wherever it lands), and a
@@ -186,8 +203,7 @@ def run_main(body: Callable[[], int]) -> int:
             pass
         return CLOSED_PIPE
     except CloverError as e:
-        message = " ".join(str(e).split("\n"))
-        print(f"error: {message}", file=sys.stderr)
+        print(f"error: {flag_message(e)}", file=sys.stderr)
         return 2
     except OSError as e:  # a file that vanished or cannot be read mid-run, a full disk
         print(f"error: {os_error_line(e)}", file=sys.stderr)

@@ -146,7 +146,7 @@ class Eagle3(EagleDrafter):
         rows = where[ids]
         if not (rows >= 0).any():
             raise CloverError("the draft vocabulary shares no token with these EAGLE-3 heads' own; "
-                              "pass --draft-vocab 0 or auto")
+                              "pass draft_vocab=0 (or auto)", arguments=("draft_vocab",))
         ids, rows = ids[rows >= 0], rows[rows >= 0]
         return DraftVocab(ids=jnp.asarray(ids, jnp.int32), rows=jnp.take(self.lm_head.kernel[...].T, rows, axis=0))
 

@@ -62,9 +62,10 @@ def parse_size(spec: str | int | None) -> str | int:
     try:
         size = int(spec)
     except ValueError:
-        raise CloverError(f"--draft-vocab {spec!r}: give auto, 0 (the whole vocabulary) or a token count") from None
+        raise CloverError(f"draft_vocab={spec!r}: give auto, 0 (the whole vocabulary) or a token count",
+                          arguments=("draft_vocab",)) from None
     if size < 0:
-        raise CloverError(f"--draft-vocab {size} must be >= 0")
+        raise CloverError(f"draft_vocab={size} must be >= 0", arguments=("draft_vocab",))
     return size
 
 
@@ -86,8 +87,9 @@ def resolve_size(spec: str | int | None, counts: np.ndarray | None, vocab_size: 
         size = _covering(weights, coverage)
     else:
         if 0 < size < vocab_size and counts is None and mass is None:
-            raise CloverError(f"--draft-vocab {size}: these heads carry no token counts to pick the most frequent "
-                              "tokens from; re-export them with train.train, or pass --draft-vocab 0")
+            raise CloverError(f"draft_vocab={size}: these heads carry no token counts to pick the most frequent "
+                              "tokens from; re-export them with train.train, or pass draft_vocab=0",
+                              arguments=("draft_vocab",))
     return 0 if size >= vocab_size else size
 
 

@@ -266,7 +266,8 @@ class Generator:
         if longest + max_new_tokens > self.max_len:
             raise CloverError(
                 f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the cache of {self.max_len} "
-                "positions; shorten the prompt, lower --max-new-tokens or raise --max-len")
+                "positions; shorten the prompt, lower max_new_tokens= or raise max_len=",
+                arguments=("max_new_tokens", "max_len"))
         if not 0 <= seed < 2 ** 32:  # a key holds 32 bits of it: 2**32 would draw what 0 draws, 2**64 overflow
             raise CloverError(f"seed {seed} must be in [0, 2**32), the seeds a JAX random key tells apart")
         vocab = self.cfg.vocab_size
@@ -337,7 +338,8 @@ class Generator:
         args, static = self.prepare(prompts, max_new_tokens, sampling, seed, eos_ids, budgets)
         if on_tokens is not None:
             if jax.process_count() > 1:
-                raise CloverError("streaming (on_tokens, --stream) runs in one process; drop it for a multi-process run")
+                raise CloverError("streaming (on_tokens=) runs in one process; drop on_tokens= for a multi-process "
+                                  "run", arguments=("on_tokens",))
             static["stream"] = self._emit
         b = len(prompts)
         key = (b, args[1].shape[1], tuple(sorted(static.items(), key=lambda kv: kv[0])))
@@ -368,7 +370,8 @@ class Generator:
             raise self._listener_error
         plain, seq_steps, hist, hits = self.statistics(state)
         if not bool(np.all(to_host(plain.finite))):
-            raise CloverError("the model produced non-finite logits (NaN/Inf); check the weights, or try --dtype float32")
+            raise CloverError("the model produced non-finite logits (NaN/Inf); check the weights, or try "
+                              "dtype=float32", arguments=("dtype",))
         num = to_host(plain.num_new)[:rows]
         toks = to_host(plain.tokens)
         tokens = [toks[i, : num[i]].tolist() for i in range(rows)]

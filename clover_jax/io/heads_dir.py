@@ -128,7 +128,7 @@ def read_heads_config(heads_dir: str | Path) -> dict:
     path = Path(heads_dir) / CONFIG
     check_whole(heads_dir, "heads")
     if not path.is_file():
-        raise CloverError(f"{heads_dir}: no {CONFIG}; point --heads at a directory written by train.train")
+        raise CloverError(f"{heads_dir}: no {CONFIG}; heads are a directory written by train.train")
     try:
         meta = json.loads(path.read_text())
         drafter_config(**meta["heads"])
@@ -250,7 +250,8 @@ def load_heads(heads_dir: str | Path, base: Llama, method: str | None = None) ->
         fields["aux_layer_ids"] = list(legacy_eagle3_layers(base.cfg.num_layers))
     hcfg = drafter_config(**fields)
     if method is not None and hcfg.method != method:
-        raise CloverError(f"{heads_dir}: holds {hcfg.method} heads, not {method}; pass matching --method and --heads")
+        raise CloverError(f"{heads_dir}: holds {hcfg.method} heads, not {method}; pass method={hcfg.method}, "
+                          f"or heads= that hold {method} heads", arguments=("method", "heads"))
     if meta.get("base_fingerprint") != base_fingerprint(base):
         raise CloverError(f"{heads_dir}: these heads were trained for another base model "
                           f"(fingerprint {meta.get('base_fingerprint')}); train heads for this model")

@@ -54,8 +54,8 @@ def model_dir(path: str | Path | None) -> Path:
     a named model such as smollm2 (`model_path`); one that cannot be found is one error line."""
     if path is None:
         if not DEFAULT_MODEL_DIR.is_dir():
-            raise CloverError(f"the reference model is not at {DEFAULT_MODEL_DIR}; "
-                              "pass --model DIR with a Hugging Face checkpoint directory")
+            raise CloverError(f"the reference model is not at {DEFAULT_MODEL_DIR}; name a model: a Hugging Face "
+                              "checkpoint directory, a .gguf file, a Hub id or a named model")
         return DEFAULT_MODEL_DIR
     return model_path(path)
 

@@ -37,13 +37,15 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = F
     """The text of `messages` under the tokenizer's chat template, or one error line: no template, or
     the template's own refusal (jinja2's raise_exception, e.g. a system turn Mistral's will not take)."""
     if not getattr(tokenizer, "chat_template", None):
-        raise CloverError("--chat: the tokenizer has no chat template; drop --chat or use a chat model's tokenizer")
+        raise CloverError("chat=True: the tokenizer has no chat template; drop chat=True or use a chat model's "
+                          "tokenizer", arguments=("chat",))
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     except Exception as e:  # noqa: BLE001 - a template's own refusal
-        hint = ("; it may take no system turn: drop --system, or the records' system turns"
+        hint = ("; it may take no system turn: drop system=, or the records' system turns"
                 if any(m["role"] == "system" for m in messages) else "")
-        raise CloverError(f"--chat: the tokenizer's chat template refused the prompt: {e}{hint}") from None
+        raise CloverError(f"chat=True: the tokenizer's chat template refused the prompt: {e}{hint}",
+                          arguments=("chat", "system")) from None
 
 
 def chat_turns(text: str, system: str | None = None) -> list[dict]:
@@ -61,9 +63,9 @@ def chat_messages(exchanges, user: str, system: str | None = None) -> list[dict]
 
 
 def check_system(chat: bool, system: str | None) -> None:
-    """Refuse --system without --chat: a system turn is a turn of the chat template."""
+    """Refuse a system turn without chat: a system turn is a turn of the chat template."""
     if system is not None and not chat:
-        raise CloverError("--system is a turn of the chat template; add --chat")
+        raise CloverError("system= is a turn of the chat template; add chat=True", arguments=("system", "chat"))
 
 
 def encode(tokenizer, text: str, chat: bool = False, bos_id: int | None = None,

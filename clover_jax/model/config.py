@@ -109,7 +109,8 @@ class ModelConfig:
         """From `model_dir/config.json`."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
-            raise CloverError(f"{path}: not found; point --model at a Hugging Face checkpoint directory")
+            raise CloverError(f"{path}: not found; a model is a Hugging Face checkpoint directory (config.json, "
+                              "weights, tokenizer files)")
         try:
             hf = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as e:

@@ -48,17 +48,20 @@ def parse_mesh(spec: str | None) -> dict[str, int]:
     for part in spec.split(","):
         name, sep, value = part.strip().partition("=")
         if not sep or name not in MESH_AXES:
-            raise CloverError(f"--mesh {spec!r}: write axis=size pairs such as data=2,model=4 "
-                              f"(axes: {', '.join(MESH_AXES)})")
+            raise CloverError(f"mesh={spec!r}: write axis=size pairs such as data=2,model=4 "
+                              f"(axes: {', '.join(MESH_AXES)})", arguments=("mesh",))
         try:
             size = int(value)
         except ValueError:
-            raise CloverError(f"--mesh {spec!r}: {name} size {value!r} is not an integer") from None
+            raise CloverError(f"mesh={spec!r}: {name} size {value!r} is not an integer",
+                              arguments=("mesh",)) from None
         if (size < 1 and size != -1) or name in sizes:
-            raise CloverError(f"--mesh {spec!r}: each axis once, with a size >= 1 (or -1 for the rest)")
+            raise CloverError(f"mesh={spec!r}: each axis once, with a size >= 1 (or -1 for the rest)",
+                              arguments=("mesh",))
         sizes[name] = size
     if list(sizes.values()).count(-1) > 1:
-        raise CloverError(f"--mesh {spec!r}: only one axis can be -1 (the devices the others leave)")
+        raise CloverError(f"mesh={spec!r}: only one axis can be -1 (the devices the others leave)",
+                          arguments=("mesh",))
     return sizes
 
 

@@ -51,9 +51,10 @@ def load_drafter(folder: str | Path, base, method: str | None = None):
     fmt = recognise(folder)
     if fmt is None:
         raise CloverError(f"{folder}: neither our heads (heads.json) nor a drafter format we read "
-                          f"({', '.join(m.NAME for m in formats())}); point --heads at one of those")
+                          f"({', '.join(m.NAME for m in formats())}); give a directory of one of those")
     if method is not None and fmt.METHOD != method:
-        raise CloverError(f"{folder}: holds a {fmt.NAME} drafter, which runs as --method {fmt.METHOD}, not {method}")
+        raise CloverError(f"{folder}: holds a {fmt.NAME} drafter, which runs as method={fmt.METHOD}, not {method}",
+                          arguments=("method",))
     return fmt.load(Path(folder), base)
 
 

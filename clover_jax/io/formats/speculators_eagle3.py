@@ -103,7 +103,8 @@ def _config(folder: Path, base: Llama) -> Eagle3Config:
             isinstance(window, int) and window >= base.cfg.max_position_embeddings):
         raise CloverError(f"{where}: transformer_layer_config.layer_types has a sliding_attention draft layer (a "
                           f"window of {window!r} tokens, shorter than the base model's context), which is not "
-                          "implemented; train it with --full-attention-indices 0")
+                          "implemented; train it with full attention in its draft layer (speculators' "
+                          "--full-attention-indices 0)")
     d = base.cfg.hidden_size
     if config.get("target_hidden_size") not in (None, d):
         raise CloverError(f"{where}: target_hidden_size {config['target_hidden_size']}, but the base model's hidden "
