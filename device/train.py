@@ -33,6 +33,11 @@ from device.common import Clock, bundle, out_dir, run_jobs, run_one, stage_dir, 
 
 REPO = Path(__file__).resolve().parents[1]
 METHODS = ("clover2", "clover", "medusa", "eagle", "eagle3")
+# The block drafters' own recipe (models/smollm2/heads/MODEL_CARD.md, "DFlash"): a block of 8 (the paper's
+# gamma 4), one draft layer reading the layers EAGLE-3's stored features hold (1, L/2 - 1, L - 4: SmolLM2's
+# 1, 14, 26), the paper's AdamW at 6e-4. Named with --methods; not in the default five.
+BLOCK_DRAFTERS = ("dflash", "dflash2")
+BLOCK_RECIPE = ["--num-heads", "7", "--option", "draft_layers=1", "--option", "target_layer_ids=1,14,26", "--lr", "6e-4"]
 MODELS = ("smollm2", "gemma3")
 GEMMA_EVAL = 320  # Gemma 3's held-out records: ShareGPT's first, answered by the model itself
 PIECE = 15 * 2**20  # under the 16 MiB a returned file may be
@@ -86,6 +91,8 @@ def commands(args, work: Path) -> dict[str, list]:
     train = {}
     for m in args.methods.split(","):
         vocab = ["--draft-vocab", str(args.vocab)] if m == "eagle3" else ["--loss-vocab", str(args.vocab)]
+        if m in BLOCK_DRAFTERS:
+            vocab += BLOCK_RECIPE if not args.dry else ["--num-heads", "3"]
         train[m] = py + ["train.train", "--method", m, "--base", base, "--data", str(training_data),
                          "--eval-data", str(d / "eval"), "--counts-from", str(d / "self"), "--steps", steps,
                          "--batch-size", str(args.batch), "--seq-len", str(args.seq_len), "--warmup", "50",
@@ -119,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: smollm2)")
     p.add_argument("--out", help="where the results go (default: $OUT)")
     p.add_argument("--budget-s", type=float, default=None, help="seconds the whole lease may take (default: 450)")
-    p.add_argument("--methods", default=",".join(METHODS), help="methods to train (default: all five)")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help="methods to train (default: the five heads; dflash and dflash2 train on their own recipe, "
+                        "a block of 8 and one draft layer, when named)")
     p.add_argument("--self", dest="self_records", type=int, default=None,
                    help="ShareGPT records answered by the model itself, the committed answers (default: 1570; dry 8)")
     p.add_argument("--fixed", type=int, default=2,

@@ -158,3 +158,17 @@ def test_a_lease_with_no_fixed_set_trains_on_the_models_own_answers(tmp_path):
     assert (t.method, t.data, t.steps, t.batch_size, t.seq_len, t.draft_vocab) == \
         ("eagle3", str(tmp_path / "data" / "self"), 1000, 4, 512, 8192)
     assert t.eval_data == str(tmp_path / "data" / "eval")
+
+
+def test_a_lease_trains_the_block_drafters_on_their_own_recipe(tmp_path):
+    """--methods dflash,dflash2: a block of 8, one draft layer reading layers 1, 14 and 26 (stored by every
+    lease's data as EAGLE-3's features), AdamW at 6e-4, as SmolLM2's shipped DFlash was trained."""
+    from device import train as lease
+    from train.train import build_parser as train_parser, method_options
+
+    args = lease.parse_args(["--methods", "dflash,dflash2"])
+    cmd = lease.commands(args, tmp_path)
+    for m in ("dflash", "dflash2"):
+        t = train_parser().parse_args(cmd["train"][m][3:])
+        assert (t.method, t.num_heads, t.lr, t.loss_vocab) == (m, 7, 6e-4, 8192)
+        assert method_options(t) == {"draft_layers": 1, "target_layer_ids": [1, 14, 26]}
