@@ -116,10 +116,10 @@ class Model:
                   draft_temperature: float = 1.0, draft_vocab: str | int | None = "auto",
                   step_cost: str | float | None = "auto", max_len: int | None = None,
                   buckets=BUCKETS, loop_chunk: int = DEFAULT_LOOP_CHUNK) -> TextGenerator:
-        """A generator: plain decoding (method "plain", the default) or speculative decoding with a
-        draft method's `heads` (what `drafter` takes, or a drafter it returned, whose method is then the
-        default). Each setting is `infer.generate`'s flag of the same name: `tree` a `--tree` spec
-        ("auto", "default", "chain:3", "dynamic:32", ...) or a `Tree`; `temperature` (0: greedy),
+        """A generator: plain decoding (no `method`, the default; "plain", the command line's word for it,
+        means the same) or speculative decoding with a draft method's `heads` (what `drafter` takes, or a
+        drafter it returned, whose method is then the default). Each setting is `infer.generate`'s flag
+        of the same name: `tree` a `--tree` spec ("auto", "default", "chain:3", "dynamic:32", ...) or a `Tree`; `temperature` (0: greedy),
         `top_p`, `top_k` and `draft_temperature` the sampling; `draft_vocab` the tokens drafted from
         (`--draft-vocab`: "auto", N, 0 for all); `step_cost` the pacing (`--step-cost`: "auto", "none",
         a number); `max_len` the KV cache positions (default: the model's max_position_embeddings);
@@ -128,11 +128,12 @@ class Model:
         machine gives plain decoding (`TextGenerator.speculative` says which)."""
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p,
                                   draft_temperature=draft_temperature)
+        if method == "plain":
+            method = None
         if isinstance(heads, LoadedDrafter):
             method, drafter = method or heads.method, heads
         else:
-            method = method or "plain"
-            drafter = None if method == "plain" else self.drafter(method, heads)
+            drafter = None if method is None else self.drafter(method, heads)
         engine = factory.make_generator(self.module, method, drafter=drafter, tree=tree, max_len=max_len,
                                         mesh=self.mesh, draft_vocab=draft_vocab, greedy=sampling.greedy,
                                         buckets=buckets, step_cost=step_cost, loop_chunk=loop_chunk)
@@ -158,7 +159,7 @@ class TextGenerator:
 
     model: Model = dataclasses.field(repr=False)
     engine: Generator = dataclasses.field(repr=False)  # a `Generator`, or a `SpeculativeGenerator` when drafting
-    method: str  # what it was asked to decode with: "plain" or a draft method
+    method: str | None  # the draft method it was asked to draft with; None: plain decoding
     sampling: SamplingConfig
 
     @property
@@ -193,7 +194,7 @@ class TextGenerator:
         batch_size: prompts generated together; each batch is filled to it, so that all share one
           compiled program (default: every prompt in one batch).
         on_tokens: called after each decoding step with (tokens [B, M], counts [B]) of the batch so
-          far, to show text as it is written (`cli.stream.StreamPrinter` prints the first sequence's).
+          far, to show text as it is written (`clover_jax.StreamPrinter` prints the first sequence's).
         """
         ids = [self.model.encode(p, chat=chat, system=system) for p in _as_batch(prompts)]
         size = len(ids) if batch_size is None else batch_size

@@ -29,32 +29,23 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from clover_jax.drafters import BUILT_IN
-from clover_jax.io import sources
-from clover_jax.io.heads_dir import TREE
-from clover_jax.model.config import ModelConfig
-from clover_jax.model.divergence import compare
-from clover_jax.io.hf import load_pretrained
-from clover_jax.engine.decode import BUCKETS, Generator, GenerationOutput, bucket_for
-from clover_jax.drafters.vocab import parse_size
-from clover_jax.errors import CloverError
-from clover_jax.api import DTYPES
-from clover_jax.engine.sampling import SamplingConfig
-from clover_jax.plan.auto import PLAIN
-from clover_jax.plan.factory import METHODS, LoadedDrafter, drafting_plan, load_drafter, make_generator
-from clover_jax.trees.dynamic import DYNAMIC_KINDS
-from clover_jax.trees.spec import accelerator_default, resolve_tree
+from clover_jax import (BUCKETS, DTYPES, METHODS, CloverError, DynamicTree, GenerationOutput, Generator,
+                        LoadedDrafter, ModelConfig, SamplingConfig, load_drafter, load_pretrained, make_generator,
+                        plan_drafting)
 from clover_jax import _cli as cli
+from clover_jax.drafters.vocab import parse_size
+from clover_jax.engine.decode import bucket_for
+from clover_jax.io import sources, tokenization
+from clover_jax.model.divergence import compare
 from infer import loop_flags, report
 from infer.bandwidth import SAMPLE_PROMPTS, BandwidthProbe, plain_efficiency, plain_phases
 from infer.profiling import profile_folder, profile_ops
-from infer.report import Row, label
+from infer.report import PLAIN, Row, label
 from infer.fitting import check_fit_source, fit_from_run
 from infer.hf_peer import ended_at, run_hf
 from infer.turns import with_later_turns
 from infer.tasks import first_of_each_task, per_task, task_speedups, tasks_of
 from infer.shapes import SHAPES, project, shape_step_times
-from clover_jax.io import tokenization
 
 EPILOG = """\
 Rows: one per method, tree, draft vocabulary and batch size. tree (nodes) = the tree the row ran (auto, the
@@ -78,7 +69,10 @@ where a task's prompts fill their batches alone (always at batch 1).
 """
 
 
-DEFAULT_METHODS = ",".join(("plain",) + BUILT_IN)
+ROW_METHODS = (PLAIN,) + METHODS  # --methods' words: plain decoding (no drafter) and the draft methods
+DEFAULT_METHODS = ",".join(ROW_METHODS)
+# A row whose --tree auto decodes plain (no chain of its heads pays here): its tree column.
+NO_TREE = "plain"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -185,37 +179,38 @@ def _configs(specs: list[str], methods: list[str]) -> list[tuple[str, str | None
     """(method, tree spec) pairs to measure: plain once, each speculative method once per tree given for
     it (`SPEC` applies to every method, `METHOD=SPEC` to one; `default`: the method's paper tree, None
     here; none given: `auto`, which `planned` resolves)."""
-    trees: dict[str, list[str | None]] = {m: [] for m in methods if m != "plain"}
+    trees: dict[str, list[str | None]] = {m: [] for m in methods if m != PLAIN}
     for spec in specs:
         method, sep, tree = spec.partition("=")
-        if not (sep and method in METHODS):  # a tree for every method (a JSON or path may hold '=')
+        if not (sep and method in ROW_METHODS):  # a tree for every method (a JSON or path may hold '=')
             method, tree = None, spec
-        if method == "plain":
+        if method == PLAIN:
             raise CloverError("--tree plain=...: plain decoding has no tree")
         for m in [method] if method else trees:
             if m in trees:
                 trees[m].append(None if tree == "default" else tree)
-    return [("plain", None)] + [(m, t) for m, ts in trees.items() for t in (list(dict.fromkeys(ts)) or ["auto"])]
+    return [(PLAIN, None)] + [(m, t) for m, ts in trees.items() for t in (list(dict.fromkeys(ts)) or ["auto"])]
 
 
 def planned(model, drafter: LoadedDrafter | None, spec: str | None, value: str | None, draft_vocab, sampling: bool,
             mesh=None) -> tuple[str | None, float | None]:
-    """(the tree spec a row runs, PLAIN where `auto` decodes plain, "fitted" for the heads' fitted tree,
-    None for the paper tree, a dynamic tree with every setting written out (`eagle2` as eagle2:60,10,7,
-    also where `default` stands for it on an accelerator); its step cost) for `drafter` (None: plain
-    decoding), tree `spec` and `--step-cost` `value`, as infer.generate plans them
-    (`factory.drafting_plan`: on a CPU `auto` is a chain, its depth picked by the heads' held-out chain
-    tau and this machine's timed chain step cost), so that each row names the tree it ran."""
+    """(the tree a row runs, as its tree column names it: NO_TREE where `auto` decodes plain, "fitted" for
+    the heads' fitted tree, None for the paper tree, a dynamic tree with every setting written out (`eagle2`
+    as eagle2:60,10,7, also where `default` stands for it on an accelerator); its step cost) for `drafter`
+    (None: plain decoding), tree `spec` and `--step-cost` `value`, as infer.generate plans them
+    (`plan_drafting`: on a CPU `auto` is a chain, its depth picked by the heads' held-out chain tau and
+    this machine's timed chain step cost), so that each row names the tree it ran."""
     if drafter is None:
         return spec, None
-    tree, cost = drafting_plan(model, drafter.method, drafter=drafter, tree=spec, draft_vocab=draft_vocab,
-                               greedy=not sampling, step_cost=value, mesh=mesh)
-    if tree in (None, "default"):  # the method's own tree here, or the heads' fitted one, and the rows say so
-        tree = accelerator_default(drafter.method) or (
-            "fitted" if drafter.heads_dir is not None and (drafter.heads_dir / TREE).is_file() else None)
-    if isinstance(tree, str) and tree.partition(":")[0] in DYNAMIC_KINDS:  # e.g. eagle2 as eagle2:60,10,7
-        tree = str(resolve_tree(tree, drafter.method, drafter.num_heads))
-    return tree, cost
+    plan = plan_drafting(model, None, drafter=drafter, tree=spec, draft_vocab=draft_vocab, greedy=not sampling,
+                         step_cost=value, mesh=mesh)
+    if plan is None:
+        return NO_TREE, None
+    if isinstance(plan.tree, DynamicTree):
+        return str(plan.tree), plan.step_cost
+    if plan.spec in (None, "default"):  # the heads' fitted tree, or the method's paper tree, and the rows say which
+        return ("fitted" if drafter.ships_fitted_tree else None), plan.step_cost
+    return plan.spec, plan.step_cost
 
 
 def paced(spec: str | None, cost: float | None) -> str:
@@ -309,10 +304,10 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 def _benchmark(args: argparse.Namespace) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if m not in ROW_METHODS]
     if unknown:
-        raise CloverError(f"--methods: unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
-    methods = ["plain"] + [m for m in dict.fromkeys(methods) if m != "plain"]
+        raise CloverError(f"--methods: unknown method {unknown[0]!r}; choose from {', '.join(ROW_METHODS)}")
+    methods = [PLAIN] + [m for m in dict.fromkeys(methods) if m != PLAIN]
     sizes = cli.numbers(args.batch_sizes, "--batch-sizes", int, "integers", "1,8", 1)
     buckets = sorted(set(cli.numbers(args.buckets, "--buckets", int, "integers", "1024", 1))) if args.buckets else BUCKETS
     for flag, value in (("--num-prompts", args.num_prompts), ("--per-task", 1 if args.per_task is None else args.per_task),
@@ -325,8 +320,8 @@ def _benchmark(args: argparse.Namespace) -> int:
     SamplingConfig(draft_temperature=args.draft_temperature)  # a bad value is one line before anything loads
     draft_vocabs = list(dict.fromkeys(str(parse_size(v)) for v in args.draft_vocab.split(",") if v.strip())) or ["auto"]
     costs = list(dict.fromkeys(v.strip() for v in args.step_cost.split(",") if v.strip())) or ["auto"]
-    configs = [(m, t, None if m == "plain" else dv, None if m == "plain" else sc) for m, t in _configs(args.tree, methods)
-               for dv in ([None] if m == "plain" else draft_vocabs) for sc in ([None] if m == "plain" else costs)]
+    configs = [(m, t, None if m == PLAIN else dv, None if m == PLAIN else sc) for m, t in _configs(args.tree, methods)
+               for dv in ([None] if m == PLAIN else draft_vocabs) for sc in ([None] if m == PLAIN else costs)]
     _check_outputs(args)  # before anything loads or is timed (--tree auto may time a step on a CPU)
     path = sources.model_dir(args.model)
     cfg = ModelConfig.from_pretrained(path)
@@ -347,18 +342,18 @@ def _benchmark(args: argparse.Namespace) -> int:
     methods = [m for m in methods if m not in absent]
     configs = [c for c in configs if c[0] not in absent]
     # Each method's drafter is loaded once, for every tree, temperature and batch size it runs at.
-    drafters = {m: load_drafter(model, m, heads=heads_root / m, seed=args.seed) for m in methods if m != "plain"}
+    drafters = {m: load_drafter(model, m, heads=heads_root / m, seed=args.seed) for m in methods if m != PLAIN}
     temps = cli.numbers(args.temperatures, "--temperatures", float, "numbers", "0,1", 0)
     if absent:
         print(f"note: no {', '.join(absent)} heads under {heads_root}; measuring the others (name a method in "
               "--methods to be told what is missing)", file=sys.stderr)
-    # `auto` may stand for another tree (or none: PLAIN) when sampling, whose steps cost more.
+    # `auto` may stand for another tree (or none: NO_TREE) when sampling, whose steps cost more.
     at_temp = {}
     for t in temps:
         plans = [(m, *planned(model, drafters.get(m), spec, sc, dv, t > 0, mesh), dv) for m, spec, dv, sc in configs]
         at_temp[t] = list(dict.fromkeys((m, tree, dv, cost) for m, tree, cost, dv in plans))
 
-    drafting = [c for t in temps for c in at_temp[t] if c[0] != "plain" and c[1] != PLAIN]
+    drafting = [c for t in temps for c in at_temp[t] if c[0] != PLAIN and c[1] != NO_TREE]
     if args.fit_tree and (len(drafting) != 1 or len(temps) != 1 or len(sizes) != 1):
         raise CloverError(f"--fit-tree fits one run's accepted paths, and this one drafts in {len(drafting)} "
                           f"configuration(s) at {len(temps)} temperature(s) and {len(sizes)} batch size(s): name one "
@@ -380,7 +375,7 @@ def _benchmark(args: argparse.Namespace) -> int:
     bandwidth = BandwidthProbe().median()
     per_size = {b: -(-len(prompts) // b) * (args.repeats + 1) for b in sizes}  # batches per method and size
     hf_passes = sum(n * (2 if b == 1 else 1) for b, n in per_size.items()) if args.hf else 0
-    shape_configs = list(dict.fromkeys(c[:3] for c in at_temp[temps[0]] if c[1] != PLAIN))
+    shape_configs = list(dict.fromkeys(c[:3] for c in at_temp[temps[0]] if c[1] != NO_TREE))
     total = (sum(per_size.values()) * sum(map(len, at_temp.values())) + hf_passes
              + (len(shape_configs) if args.shape else 0))
     rows: list[Row] = []
@@ -396,7 +391,7 @@ def _benchmark(args: argparse.Namespace) -> int:
                 configs = at_temp[temp]
                 for method, spec, dv, cost in configs:
                     generators[label(method, paced(spec, cost), draft_vocab=dv)] = make_generator(
-                        model, "plain" if spec == PLAIN else method, drafter=drafters.get(method), tree=spec,
+                        model, None, drafter=None if spec == NO_TREE else drafters.get(method), tree=spec,
                         mesh=mesh, draft_vocab=dv, greedy=sampling.greedy, buckets=buckets, step_cost=cost,
                         loop_chunk=args.loop_chunk)
                 measured = run_engines(generators, prompts, b, args.max_new_tokens, args.repeats, progress,
@@ -411,11 +406,11 @@ def _benchmark(args: argparse.Namespace) -> int:
                 for (method, spec, dv, cost), (name, gen) in zip(configs, generators.items()):
                     stats, tokens = measured[name]
                     tree, vocab = gen.tree, gen.draft_vocab
-                    row = Row(method=method, batch_size=b, tree="" if method == "plain" else paced(spec, cost),
+                    row = Row(method=method, batch_size=b, tree="" if method == PLAIN else paced(spec, cost),
                               step_cost=cost,
                               temperature=temp, draft_vocab=dv or "", draft_vocab_size=vocab.size if vocab else 0,
                               tree_nodes=tree.num_nodes if tree else 1, **stats)
-                    if method == "plain":
+                    if method == PLAIN:
                         plain = row
                         if temp == 0:
                             plain_tokens = tokens
@@ -433,7 +428,7 @@ def _benchmark(args: argparse.Namespace) -> int:
                     if row.node_hits is not None:
                         fitted_from = (row, tree)
                 del generators, measured
-            plain = next(r for r in rows if r.method == "plain" and r.batch_size == b)
+            plain = next(r for r in rows if r.method == PLAIN and r.batch_size == b)
             if args.hf:
                 for name, (stats, tokens) in run_hf(path, prompts, b, args.max_new_tokens, args.repeats,
                                                     args.dtype, progress, tasks, answer_eos).items():

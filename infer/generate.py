@@ -14,21 +14,19 @@ import sys
 
 from tqdm import tqdm
 
-from clover_jax.api import DTYPES, finish_reason
+from clover_jax import (DTYPES, METHODS, CloverError, Generator, ModelConfig, SamplingConfig, finish_reason,
+                        load_pretrained, make_generator)
+from clover_jax import _cli as cli
 from clover_jax.drafters import HEADS
 from clover_jax.drafters import registry
-from clover_jax.engine.decode import Generator
-from clover_jax.engine.sampling import SamplingConfig
-from clover_jax.errors import CloverError
 from clover_jax.io import sources, tokenization
-from clover_jax.io.hf import load_pretrained
-from clover_jax.model.config import ModelConfig
 from clover_jax.model.sharding import describe_mesh
-from clover_jax.plan.factory import METHODS, make_generator
-from clover_jax import _cli as cli
 from clover_jax._cli.conversation import answer_turns, record_turns
 from clover_jax._cli.stream import StreamPrinter
 from infer.loop_flags import add_loop_chunk, check_loop_chunk
+
+# --method's word for decoding with no drafter (the library's None), as the statistics line names it.
+PLAIN = "plain"
 
 EPILOG = """\
 examples:
@@ -73,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "conversation ends at an answer cut short by --max-new-tokens or that leaves no room in "
                         "--max-len; with --json each object also gives record and turn, from 1) (default: "
                         "%(default)s)")
-    p.add_argument("--method", choices=METHODS, default="plain",
+    p.add_argument("--method", choices=(PLAIN,) + METHODS, default=PLAIN,
                    help="decoding method: plain (one token per forward pass) or speculative decoding with "
                         "medusa, clover or clover2 draft heads (default: %(default)s)")
     p.add_argument("--heads", metavar="DIR",
@@ -174,7 +172,7 @@ class Tally:
         tau = self.new_tokens / max(self.seq_steps, 1)
         tree = generator.tree
         shape = "" if tree is None else f" tree={tree.num_nodes} nodes, depth {tree.max_depth}"
-        if tree is None and method != "plain":
+        if tree is None and method != PLAIN:
             shape = " plain decoding (tree auto: no chain of these heads is modelled to beat it here)"
         if tree is not None:
             vocab = generator.draft_vocab
@@ -317,7 +315,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     mesh = cli.mesh_of(args)
     _, model = load_pretrained(path, dtype=DTYPES[args.dtype], mesh=mesh)
-    generator = make_generator(model, args.method, model_path=args.model, heads=args.heads, tree=args.tree,
+    drafted = None if args.method == PLAIN else args.method  # plain decoding: no drafter
+    generator = make_generator(model, drafted, model_path=args.model, heads=args.heads, tree=args.tree,
                                num_heads=args.num_heads, max_len=args.max_len, seed=args.seed, mesh=mesh,
                                draft_vocab=args.draft_vocab, greedy=sampling.greedy, step_cost=args.step_cost,
                                loop_chunk=check_loop_chunk(args))

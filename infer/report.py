@@ -16,13 +16,16 @@ from clover_jax._cli import plots
 from clover_jax.plan import step_cost
 from clover_jax.io.files import atomic_path, write_text
 
+# The method of a plain-decoding row (no drafter), as the results files already written name it.
+PLAIN = "plain"
+
 
 @dataclasses.dataclass
 class Row:
     """One measured configuration (method, tree, draft vocabulary, batch size, temperature) and its
     figures; the JSON's `results` are these rows."""
 
-    method: str
+    method: str  # PLAIN, a draft method, or a peer such as hf-generate
     batch_size: int
     tree: str = ""
     temperature: float = 0.0
@@ -61,7 +64,7 @@ class Row:
 def label(method: str, tree: str | None, temperature: float = 0.0, draft_vocab: str | None = None) -> str:
     """A row's name: the method, for a speculative one its tree and a draft vocabulary other than auto,
     and a temperature other than 0."""
-    name = method if method == "plain" or method.startswith("hf-") else f"{method} {tree or 'default'}"
+    name = method if method == PLAIN or method.startswith("hf-") else f"{method} {tree or 'default'}"
     if draft_vocab and draft_vocab != "auto":
         name += f" dv={draft_vocab}"
     return name if not temperature else f"{name} T={temperature:g}"
@@ -289,7 +292,7 @@ def chain_cost_note(rows: list[Row]) -> str:
     own once per machine, `step_cost.chain_cost`)."""
     if jax.default_backend() != "cpu":
         return ""
-    plain = {(r.batch_size, r.temperature): r for r in rows if r.method == "plain"}
+    plain = {(r.batch_size, r.temperature): r for r in rows if r.method == PLAIN}
     found = []
     for r in rows:
         base = plain.get((r.batch_size, r.temperature))
@@ -334,7 +337,7 @@ def plot(rows: list[Row], out: str, shape: dict | None = None) -> None:
     bars = max(4.5, 0.4 * len(names))  # inches per bar panel: room for every label
     shaped = list(shape["methods"]) if shape else []
     tasks = tasks_of(rows)
-    by_task = [r for r in rows if r.batch_size == sizes[0] and r.per_task and r.method != "plain"]
+    by_task = [r for r in rows if r.batch_size == sizes[0] and r.per_task and r.method != PLAIN]
     widths = (bars, bars) + ((max(4.5, 0.4 * len(shaped)),) if shaped else ()) + \
         ((max(4.5, 0.25 * len(tasks) * len(by_task)),) if tasks else ()) + (5.5,)
     fig, axes = plt.subplots(1, len(widths), figsize=(sum(widths), 4.2), width_ratios=widths)

@@ -83,7 +83,7 @@ def tasks_table(runs: list[list[Row]]) -> list[str]:
     body = [([str(n)] if len(runs) > 1 else []) + [f"{r.name}, batch {r.batch_size}"]
             + [report.task_cell(r.per_task.get(t)) for t in tasks]
             for n, rows in enumerate(runs, 1) for r in rows
-            if r.per_task and r.method != "plain"]  # plain's own: 1.00x (1.00) everywhere
+            if r.per_task and r.method != report.PLAIN]  # plain's own: 1.00x (1.00) everywhere
     head = (["run"] if len(runs) > 1 else []) + ["speedup (tau) per task", *tasks]
     return [""] + markdown_table(head, body)
 

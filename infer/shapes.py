@@ -12,17 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from clover_jax.model.config import ModelConfig
-from clover_jax.engine.decode import Generator
+from clover_jax import Generator, Llama, ModelConfig, SpeculativeGenerator, load_drafter, resolve_tree
 from clover_jax.drafters.vocab import DraftVocab, resolve_size
-from clover_jax.drafters.heads import make_heads
-from clover_jax.drafters.registry import drafter_config
-from clover_jax.model.llama import Llama
 from clover_jax.model.sharding import param_sharding
-from clover_jax.engine.speculative import SpeculativeGenerator
-from clover_jax.trees.spec import resolve_tree
 from infer.bandwidth import weight_bytes
-from infer.report import label
+from infer.report import PLAIN, label
 
 # Real architectures with random weights: step latency does not depend on the weights' values.
 SHAPES = {
@@ -74,10 +68,10 @@ def shape_step_times(shape: str, layers: int | None, configs: list[tuple[str, st
     no_counts = np.zeros(cfg.vocab_size, np.int64)  # random heads: no token more frequent than another
     for method, tree, dv in configs:
         size = 0
-        if method == "plain":
+        if method == PLAIN:
             gen = Generator(model, max_len=prompt_len + max_new, mesh=mesh)
         else:
-            heads = make_heads(drafter_config(method), model, seed=seed)
+            heads = load_drafter(model, method, heads="random", seed=seed).drafter
             size = resolve_size(dv, no_counts, cfg.vocab_size)  # auto: the whole vocabulary, as no counts give
             vocab = DraftVocab.most_frequent(model.lm_head_weight(), no_counts, size) if size else None
             gen = SpeculativeGenerator(model, heads, resolve_tree(tree, method, heads.num_heads),
@@ -106,7 +100,7 @@ def project(shape: dict, tau: dict[str, float], bandwidth: float) -> None:
     """Add to `shape_step_times`' result, per row, the reference model's tau (`tau`, by row name) and
     the projected speedup tau x plain step / step, and the bandwidth limit's step time (at `bandwidth`
     bytes/s, the device's streaming read) for its weights."""
-    plain_ms = shape["methods"]["plain"]["step_ms"]
+    plain_ms = shape["methods"][PLAIN]["step_ms"]
     for name, s in shape["methods"].items():
         s["tau_reference"] = tau[name]
         s["projected_speedup"] = tau[name] * plain_ms / s["step_ms"]

@@ -8,7 +8,8 @@ import types
 import pytest
 
 from clover_jax.plan import factory
-from clover_jax.plan.auto import PLAIN, ChainCost, auto_tree
+from clover_jax.plan.auto import ChainCost, auto_tree
+from clover_jax.trees.static import chain
 
 COST = ChainCost(1.15, 0.14)  # a chain:D step costs 1.15 + 0.14 D plain steps
 GREEDY = [1.9, 2.7, 3.3]  # per plain-step cost: 1.48, 1.87, 2.08 tokens -> chain:3
@@ -29,9 +30,9 @@ def fake_cost(monkeypatch):
 
 
 @pytest.mark.parametrize("sampled, greedy_pick, sampled_pick", [
-    (SAMPLED_WEAK, "chain:3", PLAIN),
+    (SAMPLED_WEAK, "chain:3", None),
     (SAMPLED_STRONG, "chain:3", "chain:2"),
-    (None, "chain:3", PLAIN),  # heads measured before the sampled figure was recorded
+    (None, "chain:3", None),  # heads measured before the sampled figure was recorded
 ])
 def test_the_chain_is_picked_by_the_figure_of_the_temperature(tmp_path, fake_cost, sampled, greedy_pick, sampled_pick):
     held_out = {"val_chain_tau_by_depth": GREEDY}
@@ -40,17 +41,21 @@ def test_the_chain_is_picked_by_the_figure_of_the_temperature(tmp_path, fake_cos
     drafter = heads(tmp_path, held_out)
     greedy = factory.plan_tree(None, drafter, None, tree="auto", greedy=True, step_cost="auto")
     sampling = factory.plan_tree(None, drafter, None, tree="auto", greedy=False, step_cost="auto")
-    assert greedy == (greedy_pick, COST.at(int(greedy_pick.split(":")[1])))
-    assert sampling[0] == sampled_pick
-    # A chain is paced by what its step costs; plain decoding is not paced at all.
-    assert sampling[1] == (None if sampled_pick == PLAIN else COST.at(int(sampled_pick.split(":")[1])))
+    assert (greedy.spec, greedy.step_cost) == (greedy_pick, COST.at(int(greedy_pick.split(":")[1])))
+    assert greedy.tree == chain(int(greedy_pick.split(":")[1]))
+    # A chain is paced by what its step costs; no plan at all (None) is plain decoding, unpaced.
+    if sampled_pick is None:
+        assert sampling is None
+    else:
+        assert (sampling.spec, sampling.step_cost) == (sampled_pick, COST.at(int(sampled_pick.split(":")[1])))
 
 
 def test_a_drafter_measured_nowhere_drafts_its_chain_greedy_and_decodes_plain_sampling():
     assert auto_tree(4, "cpu", None, cost=COST) == "chain:4"
-    assert auto_tree(4, "cpu", None, sampling=True, cost=COST) == PLAIN
+    assert auto_tree(4, "cpu", None, sampling=True, cost=COST) is None
 
 
 def test_other_trees_are_taken_as_given(tmp_path, fake_cost):
     drafter = heads(tmp_path, {"val_chain_tau_by_depth": GREEDY, "val_sampled_chain_tau_by_depth": {"1": SAMPLED_WEAK}})
-    assert factory.plan_tree(None, drafter, None, tree="chain:2", greedy=False, step_cost="auto") == ("chain:2", None)
+    plan = factory.plan_tree(None, drafter, None, tree="chain:2", greedy=False, step_cost="auto")
+    assert (plan.spec, plan.tree, plan.step_cost, plan.draft_vocab) == ("chain:2", chain(2), None, None)

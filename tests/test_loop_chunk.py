@@ -117,7 +117,7 @@ def test_a_chunk_is_a_whole_number_of_steps(model, chunk):
 
 
 def test_the_factory_and_the_flags_pass_the_chunk_on(model):
-    assert make_generator(model, "plain", loop_chunk=5).loop_chunk == 5
+    assert make_generator(model, None, loop_chunk=5).loop_chunk == 5
     assert make_generator(model, "medusa", heads="random", tree="chain:2", loop_chunk=4).loop_chunk == 4
     with pytest.raises(CloverError, match="--loop-chunk"):
         loop_flags.check_loop_chunk(type("Args", (), {"loop_chunk": 0})())

@@ -11,7 +11,7 @@ from clover_jax.errors import CloverError
 from clover_jax.trees.spec import DEFAULT_TREES, accelerator_default, resolve_tree
 from clover_jax.trees.dynamic import DynamicTree
 from clover_jax.trees.static import EAGLE_MC_SIM_7B_63, MEDUSA_MC_SIM_7B_63, Tree, chain, from_widths, full
-from clover_jax.plan.auto import PLAIN, auto_step_cost, auto_tree, cpu_chain_cost, step_cost_for
+from clover_jax.plan.auto import auto_step_cost, auto_tree, cpu_chain_cost, step_cost_for
 from clover_jax.trees.fit import fit, fit_to_hits
 
 #            0 (root)
@@ -244,8 +244,9 @@ def test_resolve_tree_specs(tmp_path):
     f = tmp_path / "t.json"
     f.write_text(json.dumps(SMALL))
     assert resolve_tree(str(f), "clover", 3) == Tree.from_paths(SMALL)
-    assert resolve_tree("auto", "clover2", 5) == chain(5)  # the suite runs on a CPU
     assert auto_tree(5, "cpu") == "chain:5" and auto_tree(4, "gpu") == auto_tree(4, "tpu") == "default"
+    with pytest.raises(CloverError, match=r"^tree auto is a choice a generator's planner makes .* name one here"):
+        resolve_tree("auto", "clover2", 5)  # the planner decides it (plan.factory.plan_tree), not the tree spec
 
 
 def test_default_is_the_heads_fitted_tree_where_they_ship_one():
@@ -273,26 +274,22 @@ def test_auto_on_a_cpu_picks_the_chain_depth_the_held_out_tau_says_is_fastest():
     assert auto_tree(4, "cpu", strong) == "chain:3"
     assert auto_tree(2, "cpu", strong) == "chain:2"  # entries past the heads are not used
     assert auto_tree(5, "gpu", weak) == "default"
-    assert resolve_tree("auto", "clover2", 5, weak) == chain(1)
-    assert resolve_tree("default", "clover2", 5, weak) == DEFAULT_TREES["clover2"]  # only auto reads it
+    assert resolve_tree("default", "clover2", 5) == DEFAULT_TREES["clover2"]  # only auto reads the tau
 
 
 def test_auto_on_a_cpu_decodes_plain_where_no_chain_is_modelled_to_pay():
     """Sampling adds the draws and the acceptance test to a speculative step (CPU_SAMPLING_COST): a
     chain:1 step is modelled at 1.39 plain steps then, against 1.29 greedy. Heads whose best depth
-    writes fewer tokens than that cost get PLAIN, and `resolve_tree` refuses to make a tree of it in one
-    line; heads that pay keep their chain, and an accelerator its paper tree."""
+    writes fewer tokens than that cost get None (no drafting); heads that pay keep their chain, and an
+    accelerator its paper tree."""
     assert (cpu_chain_cost(1), cpu_chain_cost(1, sampling=True), cpu_chain_cost(5, True)) == (1.29, 1.39, 1.95)
     weak = [1.38, 1.49, 1.52, 1.54, 1.55]  # 1.38 / 1.39 at one draft; deeper chains pay less
-    assert auto_tree(5, "cpu", weak) == "chain:1" and auto_tree(5, "cpu", weak, sampling=True) == PLAIN
-    assert auto_tree(5, "cpu", [1.29, 1.4]) == PLAIN  # exactly a step's cost is no gain
+    assert auto_tree(5, "cpu", weak) == "chain:1" and auto_tree(5, "cpu", weak, sampling=True) is None
+    assert auto_tree(5, "cpu", [1.29, 1.4]) is None  # exactly a step's cost is no gain
     assert auto_tree(4, "cpu", [1.9, 2.7, 3.3, 3.5], sampling=True) == "chain:3"
-    assert auto_tree(5, "gpu", weak, sampling=True) == "default" and auto_tree(5, "cpu", sampling=True) == PLAIN
+    assert auto_tree(5, "gpu", weak, sampling=True) == "default" and auto_tree(5, "cpu", sampling=True) is None
     assert auto_step_cost("chain:1", "cpu", sampling=True) == 1.39
     assert step_cost_for("auto", "auto", "chain:2", "cpu", sampling=True) == 1.53
-    with pytest.raises(CloverError, match=r"^tree auto: with these heads no chain is modelled to beat plain decoding "
-                                          r"on this cpu \(held-out tau 1.38, 1.49, 1.52, 1.54, 1.55\); decode without"):
-        resolve_tree("auto", "clover2", 5, weak, sampling=True)
 
 
 def test_step_cost_paces_the_chain_auto_picks_on_a_cpu():
@@ -335,14 +332,14 @@ def test_default_on_an_accelerator_is_each_eagle_methods_own_dynamic_tree():
     for backend in ("gpu", "tpu"):
         assert resolve_tree("default", "eagle3", 7, backend=backend) == DynamicTree.eagle2(60, 10, 7)
         assert resolve_tree(None, "eagle", 5, backend=backend, fitted_tree=fitted) == DynamicTree.eagle2(60, 10, 5)
-        assert resolve_tree("auto", "eagle3", 3, backend=backend) == DynamicTree.eagle2(60, 10, 7)
+        assert resolve_tree(auto_tree(3, backend), "eagle3", 3, backend=backend) == DynamicTree.eagle2(60, 10, 7)
         assert resolve_tree("default", "clover2", 5, backend=backend) == DEFAULT_TREES["clover2"]
         assert resolve_tree("default", "medusa", 4, backend=backend, fitted_tree=fitted) == fitted
         assert resolve_tree("paper", "eagle3", 7, backend=backend) == Tree.from_paths(EAGLE_MC_SIM_7B_63)
     paper = Tree.from_paths(EAGLE_MC_SIM_7B_63)
     assert resolve_tree("default", "eagle3", 7, backend="cpu") == paper
     assert resolve_tree("default", "eagle", 5, backend="cpu", fitted_tree=fitted) == fitted
-    assert resolve_tree("auto", "eagle3", 3, backend="cpu") == chain(3)
+    assert resolve_tree(auto_tree(3, "cpu"), "eagle3", 3, backend="cpu") == chain(3)
     assert accelerator_default("eagle3", "gpu") == "eagle2:60,10,7"
     assert accelerator_default("eagle", "tpu") == "eagle2:60,10,5"
     assert accelerator_default("eagle3", "cpu") is accelerator_default("clover2", "gpu") is None

@@ -35,10 +35,6 @@ CPU_CHAIN_COST = ChainCost(1.15, 0.14)
 CPU_SAMPLING_COST = 0.10
 
 
-# What `auto_tree` answers where no chain is modelled to beat plain decoding: decode without drafting.
-PLAIN = "plain"
-
-
 def cpu_chain_cost(depth: int, sampling: bool = False, cost: ChainCost | None = None) -> float:
     """A chain:`depth` step's cost on a CPU, in plain steps: by `cost`, timed on this machine for greedy
     or sampling steps as the run is, or else by the fitted model (CPU_CHAIN_COST, CPU_SAMPLING_COST)."""
@@ -48,27 +44,27 @@ def cpu_chain_cost(depth: int, sampling: bool = False, cost: ChainCost | None = 
 
 
 def auto_tree(num_heads: int, backend: str | None = None, chain_tau=None, sampling: bool = False,
-              cost: ChainCost | None = None) -> str:
-    """The tree spec `auto` stands for on `backend` (default: JAX's). On an accelerator verifying a
+              cost: ChainCost | None = None) -> str | None:
+    """The tree spec `auto` stands for on `backend` (default: JAX's), or None: decode without drafting. On an accelerator verifying a
     26-64-node tree costs about one plain step (memory-bound), so the default trees pay. On a CPU every
     verified token costs compute (XLA:CPU runs a matmul of 2-16 rows at 2-4x a one-row one), so only a
     chain pays there, and only as deep as its drafts are accepted: with `chain_tau` (the held-out tokens
     a step of chains through the first 1, 2, ... heads reach, which train.train records as
     `val_chain_tau_by_depth`), the depth with the most tokens per unit of `cpu_chain_cost` (`cost`, timed
-    here, or the fitted model, dearer when `sampling`), or PLAIN where even that depth is modelled to
+    here, or the fitted model, dearer when `sampling`), or None where even that depth is modelled to
     write fewer tokens than plain decoding in the same time. When `sampling`, `chain_tau` is to be the
     sampled figure (`val_sampled_chain_tau_by_depth`): greedy figures overstate what sampling keeps (on
     the reference model's heads, paced chains picked by them ran at 0.74-0.94x plain at T=1). Without
     `chain_tau`: greedy, a chain through every head (drafters measured nowhere, such as published ones);
-    sampling, PLAIN, since nothing says any draft is kept at that temperature."""
+    sampling, None, since nothing says any draft is kept at that temperature."""
     if (backend or jax.default_backend()) != "cpu":
         return "default"
     taus = list(chain_tau or [])[:num_heads]
     if not taus:
-        return PLAIN if sampling else f"chain:{num_heads}"
+        return None if sampling else f"chain:{num_heads}"
     speed = [tau / cpu_chain_cost(k + 1, sampling, cost) for k, tau in enumerate(taus)]
     best = max(range(len(speed)), key=speed.__getitem__)
-    return f"chain:{best + 1}" if speed[best] > 1 else PLAIN
+    return f"chain:{best + 1}" if speed[best] > 1 else None
 
 
 def auto_step_cost(spec: str, backend: str | None = None, sampling: bool = False,

@@ -1,6 +1,8 @@
 """What a generation is built from, planned on the host: which drafter (the heads shipped beside the
-model, a heads directory, or random ones), which tree (a `--tree` spec, `auto` resolved for this
-machine), which step cost to pace it by, and the `Generator` or `SpeculativeGenerator` made of them.
+model, a heads directory, or random ones; none for plain decoding), which tree (a `--tree` spec, `auto`
+decided for this machine here and nowhere else), which step cost to pace it by, and the `Generator` or
+`SpeculativeGenerator` made of them. What the planner decides is a value, a `DraftPlan`, or None for
+plain decoding: with no drafter, or where `auto` finds that no chain of the heads pays on this machine.
 
 The command-line tools, the benchmark and the Python API (`clover_jax.api`) all build their
 generators here, so a method, tree or pacing means the same thing everywhere. A drafter is loaded
@@ -24,14 +26,15 @@ from clover_jax.engine.decode import BUCKETS, Generator
 from clover_jax.engine.speculative import SpeculativeGenerator
 from clover_jax.errors import CloverError
 from clover_jax.io import sources
-from clover_jax.io.heads_dir import held_out_chain_tau, load_draft_vocab, load_fitted_tree, load_heads
+from clover_jax.io.heads_dir import TREE, held_out_chain_tau, load_draft_vocab, load_fitted_tree, load_heads
 from clover_jax.model.llama import Llama
-from clover_jax.plan.auto import PLAIN, auto_tree, step_cost_for
+from clover_jax.plan.auto import auto_tree, step_cost_for
 from clover_jax.plan.step_cost import chain_cost
 from clover_jax.trees.spec import resolve_tree
+from clover_jax.trees.dynamic import DynamicTree
 from clover_jax.trees.static import Tree
 
-METHODS = ("plain",) + BUILT_IN  # what a generator decodes with: plain, or a draft method
+METHODS = BUILT_IN  # the draft methods a generator may draft with (none: plain decoding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +62,11 @@ class LoadedDrafter:
         """The same when sampling (at temperature 1; None: not recorded)."""
         return held_out_chain_tau(self.heads_dir, sampling=True)
 
+    @property
+    def ships_fitted_tree(self) -> bool:
+        """Whether its directory holds a fitted tree (tree.json), which `--tree default` then drafts."""
+        return self.heads_dir is not None and (self.heads_dir / TREE).is_file()
+
     def fitted_tree(self) -> Tree | None:
         """The static tree fitted to these heads (their tree.json), or None."""
         return load_fitted_tree(self.heads_dir, self.num_heads)
@@ -74,8 +82,6 @@ def load_drafter(model: Llama, method: str, *, model_path=None, heads: str | Pat
     whose drafter files are downloaded, `sources.drafter_snapshot`; "random" for untrained ones,
     `num_heads` of them, seeded by `seed`; None or "shipped" for the ones shipped beside the model
     `model_path` names, a `--model` value, whose checkpoint directory `model_dir` is when already found)."""
-    if method == "plain":
-        raise CloverError(f"plain decoding drafts nothing; choose a draft method: {', '.join(registry.names())}")
     registry.get(method)  # an unknown method is one line naming the known ones
     if heads == "random":
         if num_heads is not None and num_heads < 1:
@@ -91,60 +97,81 @@ def load_drafter(model: Llama, method: str, *, model_path=None, heads: str | Pat
     return LoadedDrafter(method, load_heads(heads, model, method), Path(heads))
 
 
+@dataclasses.dataclass(frozen=True)
+class DraftPlan:
+    """What a speculative generator drafts, as the planner decided it (`plan_tree`); None in its place
+    is plain decoding."""
+
+    tree: Tree | DynamicTree  # checked against the drafter that drafts it
+    spec: str | Tree | None  # what it was resolved from: the spec given, or the one `auto` stood for
+    step_cost: float | None  # the pacing, in plain steps (`pacing.speculate_now`); None: draft at every step
+    draft_vocab: DraftVocab | None  # the tokens drafted from; None: the whole vocabulary
+
+
 def plan_tree(model: Llama, drafter: LoadedDrafter, vocab: DraftVocab | None, *, tree, greedy: bool,
-              step_cost: str | float | None, mesh=None) -> tuple[str | Tree | None, float | None]:
-    """(the tree to draft, or PLAIN; the step cost to pace it by) for a `--tree` and a `--step-cost`
-    value: `auto` picks by the heads' held-out chain tau (greedy, or when sampling the sampled one) and,
-    on a CPU, this machine's timed chain step cost (`step_cost.chain_cost`, timed once and kept); any
-    other tree is as given."""
+              step_cost: str | float | None, mesh=None) -> DraftPlan | None:
+    """The plan for `drafter` drafting from `vocab`, for a `--tree` value (`auto` or a spec for
+    `trees.spec.resolve_tree`) and a `--step-cost` value, or None where `auto` decodes plain. This is
+    where `auto` is decided: by the heads' held-out chain tau (greedy, or when sampling the sampled
+    one) and, on a CPU, this machine's timed chain step cost (`step_cost.chain_cost`, timed once and
+    kept; `auto.auto_tree`); any other tree is as given."""
     sampling = not greedy
-    timed = chain_cost(model, drafter.drafter, vocab, sampling, mesh) if tree == "auto" else None
-    taus = drafter.sampled_chain_tau if sampling else drafter.chain_tau
-    picked = auto_tree(drafter.num_heads, chain_tau=taus, sampling=sampling, cost=timed)
-    spec = picked if tree == "auto" else tree
-    return spec, None if spec == PLAIN else step_cost_for(step_cost, tree, picked, sampling=sampling, cost=timed)
+    timed = None
+    spec = tree
+    if tree == "auto":
+        timed = chain_cost(model, drafter.drafter, vocab, sampling, mesh)
+        taus = drafter.sampled_chain_tau if sampling else drafter.chain_tau
+        spec = auto_tree(drafter.num_heads, chain_tau=taus, sampling=sampling, cost=timed)
+        if spec is None:
+            return None
+    cost = step_cost_for(step_cost, tree, spec, sampling=sampling, cost=timed)
+    drafted = resolve_tree(spec, drafter.method, drafter.num_heads, fitted_tree=drafter.fitted_tree())
+    return DraftPlan(tree=drafted, spec=spec, step_cost=cost, draft_vocab=vocab)
 
 
-def _drafter_for(model: Llama, method: str, drafter: LoadedDrafter | None, **load) -> LoadedDrafter:
-    """`drafter` when given (it must be of `method`), else `method`'s loaded by `load_drafter(**load)`."""
+def _drafter_for(model: Llama, method: str | None, drafter: LoadedDrafter | None, **load) -> LoadedDrafter:
+    """`drafter` when given (of `method`, where that is given), else `method`'s loaded by `load_drafter(**load)`."""
     if drafter is None:
         return load_drafter(model, method, **load)
-    if drafter.method != method:
+    if method is not None and drafter.method != method:
         raise CloverError(f"the drafter given is {drafter.method}'s, not {method}'s; pass matching ones")
     return drafter
 
 
-def drafting_plan(model: Llama, method: str, *, drafter: LoadedDrafter | None = None, model_path=None,
-                  heads: str | Path | None = None, tree=None, num_heads: int | None = None, seed: int = 0, mesh=None,
-                  draft_vocab: str | int | None = "auto", greedy: bool = True,
-                  step_cost: str | float | None = "auto") -> tuple[str | Tree | None, float | None]:
-    """What `make_generator` drafts with these arguments: `plan_tree`'s (tree spec or PLAIN, step cost)."""
+def plan_drafting(model: Llama, method: str | None, *, drafter: LoadedDrafter | None = None, model_path=None,
+                  heads: str | Path | None = None, tree=None, num_heads: int | None = None, seed: int = 0,
+                  mesh=None, draft_vocab: str | int | None = "auto", greedy: bool = True,
+                  step_cost: str | float | None = "auto") -> DraftPlan | None:
+    """What `make_generator` drafts with these arguments (`plan_tree`'s plan), None for plain decoding:
+    with no drafter (`method` and `drafter` both None), or where tree `auto` finds none pays here."""
+    if method is None and drafter is None:
+        return None
     drafter = _drafter_for(model, method, drafter, model_path=model_path, heads=heads, num_heads=num_heads, seed=seed)
     return plan_tree(model, drafter, drafter.vocab(model, draft_vocab, greedy), tree=tree, greedy=greedy,
                      step_cost=step_cost, mesh=mesh)
 
 
-def make_generator(model: Llama, method: str, *, drafter: LoadedDrafter | None = None, model_path=None,
+def make_generator(model: Llama, method: str | None, *, drafter: LoadedDrafter | None = None, model_path=None,
                    heads: str | Path | None = None, tree=None, num_heads: int | None = None,
                    max_len: int | None = None, seed: int = 0, mesh=None, draft_vocab: str | int | None = "auto",
                    greedy: bool = True, buckets=BUCKETS, step_cost: str | float | None = "auto",
                    loop_chunk: int = DEFAULT_LOOP_CHUNK) -> Generator:
-    """The generator for `method`: plain, or a speculative one with its drafter (`drafter`, already
-    loaded, else `load_drafter`'s from `model_path`, `heads`, `num_heads` and `seed`), its tree (a spec
-    or a `Tree`; None for the method's default), its draft vocabulary (a `--draft-vocab` value; `greedy`
-    says which `auto` means) and its pacing (a `--step-cost` value), as `plan_tree` plans them;
-    `buckets` are the prompt lengths it pads to and `loop_chunk` the decoding steps per chunk of its loop
-    (`Generator`; `chunks.chunked`). Tree `auto` with heads no chain of which
-    pays here (PLAIN) gives a plain generator: drafting would only slow it."""
+    """The generator for a draft `method`, or for none (None, and no `drafter`: plain decoding): a
+    speculative one with its drafter (`drafter`, already loaded, else `load_drafter`'s from `model_path`,
+    `heads`, `num_heads` and `seed`), its tree (`auto`, a spec or a `Tree`; None for the method's
+    default), its draft vocabulary (a `--draft-vocab` value; `greedy` says which `auto` means) and its
+    pacing (a `--step-cost` value), as `plan_tree` plans them; `buckets` are the prompt lengths it
+    pads to and `loop_chunk` the decoding steps per chunk of its loop (`Generator`; `chunks.chunked`).
+    Where the plan is None (tree `auto` with heads no chain of which pays here) it is a plain generator:
+    drafting would only slow it."""
     if max_len is not None and max_len < 2:
         raise CloverError(f"--max-len {max_len} must be >= 2 (a prompt token plus a new one)")
-    if method == "plain":
+    if method is not None or drafter is not None:  # loaded here: a speculative generator drafts with it
+        drafter = _drafter_for(model, method, drafter, model_path=model_path, heads=heads, num_heads=num_heads,
+                               seed=seed)
+    plan = plan_drafting(model, None, drafter=drafter, tree=tree, mesh=mesh, draft_vocab=draft_vocab, greedy=greedy,
+                         step_cost=step_cost)
+    if plan is None:
         return Generator(model, max_len=max_len, mesh=mesh, buckets=buckets, loop_chunk=loop_chunk)
-    drafter = _drafter_for(model, method, drafter, model_path=model_path, heads=heads, num_heads=num_heads, seed=seed)
-    vocab = drafter.vocab(model, draft_vocab, greedy)
-    spec, cost = plan_tree(model, drafter, vocab, tree=tree, greedy=greedy, step_cost=step_cost, mesh=mesh)
-    if spec == PLAIN:
-        return Generator(model, max_len=max_len, mesh=mesh, buckets=buckets, loop_chunk=loop_chunk)
-    drafted = resolve_tree(spec, method, drafter.num_heads, fitted_tree=drafter.fitted_tree())
-    return SpeculativeGenerator(model, drafter.drafter, drafted, max_len=max_len,
-                                buckets=buckets, mesh=mesh, draft_vocab=vocab, step_cost=cost, loop_chunk=loop_chunk)
+    return SpeculativeGenerator(model, drafter.drafter, plan.tree, max_len=max_len, buckets=buckets, mesh=mesh,
+                                draft_vocab=plan.draft_vocab, step_cost=plan.step_cost, loop_chunk=loop_chunk)

@@ -1,7 +1,8 @@
 """The `--tree` spec language: a user's tree (a name, `chain:D`, `full:WxD`, `widths:..`, JSON paths or
-file, `dynamic:N[,W]` / `eagle2[:N,K,D]`, `default`, `fitted`, `paper`, `auto`) resolved against the
-drafter that will draft it; and the tree each method drafts by default (on an accelerator an EAGLE
-method's own dynamic tree, `registry.Method.accelerator_tree`).
+file, `dynamic:N[,W]` / `eagle2[:N,K,D]`, `default`, `fitted`, `paper`) resolved against the drafter
+that will draft it; and the tree each method drafts by default (on an accelerator an EAGLE method's own
+dynamic tree, `registry.Method.accelerator_tree`). `auto` is no tree but a decision, which the planner
+makes (`plan.factory.plan_tree`) before it hands the tree it picked here.
 """
 
 from __future__ import annotations
@@ -14,24 +15,23 @@ import jax
 from clover_jax.drafters import HEADS
 from clover_jax.drafters import registry
 from clover_jax.errors import CloverError
-from clover_jax.plan.auto import PLAIN, auto_tree
 from clover_jax.trees.dynamic import DYNAMIC_KINDS, DynamicTree
 from clover_jax.trees.static import NAMED_TREES, Tree, _positive, chain, from_widths, full
 
 
-def resolve_tree(spec, method: str, num_heads: int, chain_tau=None, sampling: bool = False,
-                 fitted_tree: Tree | None = None, backend: str | None = None) -> Tree | DynamicTree:
+def resolve_tree(spec, method: str, num_heads: int, *, fitted_tree: Tree | None = None,
+                 backend: str | None = None) -> Tree | DynamicTree:
     """The tree a user asked for, checked against the drafter (`num_heads` heads, or a draft model of
     that many chained steps, which drafts any depth: `Method.chained`) it will be drafted with.
 
     spec: None or "default" (on an accelerator, `backend` or else JAX's, the method's own
     `accelerator_tree` where it has one; else `fitted_tree`, the tree fitted to these heads that their
     directory ships, else the method's paper tree), "fitted" (`fitted_tree`, an error without one),
-    "paper" (the method's paper tree), "auto" (the default tree on an accelerator, on a CPU the chain
-    `chain_tau` says is fastest, `sampling` or not: see `auto_tree`), a name from NAMED_TREES or
+    "paper" (the method's paper tree), a name from NAMED_TREES or
     "mc_sim_7b_63" (both named trees are cut to num_heads), "chain:D", "full:WxD", "widths:W1,W2,...",
     a JSON list of paths as a string, a JSON file path, a list of paths, a Tree, or a dynamic tree
-    "dynamic:N[,W]" (of depth num_heads) or "eagle2[:N[,K[,D]]]" (`DynamicTree.parse`).
+    "dynamic:N[,W]" (of depth num_heads) or "eagle2[:N[,K[,D]]]" (`DynamicTree.parse`). Not "auto":
+    the planner decides what it stands for (`plan.factory.plan_tree`).
     """
     entry = registry.get(method)
     paper = entry.tree  # what `mc_sim_7b_63` means: the tree the method's own code uses
@@ -63,14 +63,8 @@ def resolve_tree(spec, method: str, num_heads: int, chain_tau=None, sampling: bo
                               "train.evaluate --fit-tree N --record, or draft the paper tree (--tree paper)")
         return Tree.from_paths(fitted_tree.paths, heads)
     if s == "auto":
-        picked = auto_tree(heads, backend, chain_tau=chain_tau, sampling=sampling)
-        if picked == PLAIN:
-            measured = (f"held-out tau {', '.join(f'{t:.2f}' for t in chain_tau)}" if chain_tau
-                        else "no held-out tau when sampling")
-            raise CloverError(f"tree auto: with these heads no chain is modelled to beat plain decoding on this "
-                              f"{backend or jax.default_backend()} ({measured}); decode without drafting, or name a "
-                              "tree such as chain:1")
-        return resolve_tree(picked, method, heads, fitted_tree=fitted_tree, backend=backend)
+        raise CloverError("tree auto is a choice a generator's planner makes for this machine, not a tree to "
+                          "draw: name one here, such as default or chain:2")
     if s in NAMED_TREES:
         return _named(s, heads)
     if kind in ("chain", "full", "widths") and arg:
