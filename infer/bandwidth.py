@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from clover_jax.engine.decode import Generator, continue_plain, start_plain, to_host
-from clover_jax.model.llama import Llama
+from clover_jax import Generator, Llama
+from clover_jax.engine.decode import continue_plain, start_plain, to_host
 
 SAMPLE_PROMPTS = 8
 """The bandwidth line times the first this many prompts, not all: its passes run to the token budget

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from clover_jax.errors import CloverError
+from clover_jax import Tree
 from clover_jax.trees.fit import fit_to_hits
-from clover_jax.trees.static import Tree
 from infer.report import Row
 
 

@@ -11,9 +11,7 @@ from pathlib import Path
 
 import jax
 
-from clover_jax.engine.decode import Generator
-from clover_jax.errors import CloverError
-from clover_jax.engine.sampling import SamplingConfig
+from clover_jax import CloverError, Generator, SamplingConfig
 
 
 def profile_folder(name: str) -> str:

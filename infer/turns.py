@@ -8,7 +8,7 @@ from tqdm import tqdm
 
 from clover_jax import _cli as cli
 from clover_jax._cli.conversation import answer_turns, record_turns
-from clover_jax.engine.decode import BUCKETS, Generator
+from clover_jax import BUCKETS, Generator
 
 
 def with_later_turns(model, tokenizer, prompts: list[list[int]], records: list[tuple[dict, str]],

@@ -3,7 +3,9 @@ prompt files, chat templates, named data sets, exit codes, compile cache and mul
 
 Both tool packages import it (`from clover_jax import _cli as cli`, then `cli.read_prompts(...)`); neither
 imports the other. It lives under the library as a private subpackage so the wheel installs no top-level
-name of its own; the library itself never imports it.
+name of its own; the library itself never imports it (the front door, `clover_jax/__init__.py`, hands the
+prompt readers, the chat-template tokenizer and `StreamPrinter` on to notebook users by name, imported
+only when one is asked for).
 Everything a user can get wrong becomes a `CloverError`, which `run_main` turns into one `error: ...`
 line and exit status 2 (130 after Ctrl-C, 141 when the reader of stdout has gone).
 """
