@@ -22,7 +22,7 @@ from clover_jax.trees.spec import resolve_tree
 from infer import generate
 from train import corpus, losses, train
 
-BUILT_IN = tuple(m for m in BUILT_IN if not m.startswith("dflash"))  # the methods with shipped heads: none for DFlash yet
+BUILT_IN = tuple(m for m in BUILT_IN if not m.startswith("dflash"))  # the methods the reference model ships heads for (its block drafters: none)
 
 REF = sources.shipped_root() / "reference"
 CARD_LOSS = re.compile(r"prompt-set loss \(first (\d+) prompts, float32\): ([\d.]+) nats/token")

@@ -22,7 +22,7 @@ from clover_jax.plan import factory
 from infer import generate
 from clover_jax.io import tokenization
 
-BUILT_IN = tuple(m for m in BUILT_IN if not m.startswith("dflash"))  # the methods with shipped heads: none for DFlash yet
+BUILT_IN = tuple(m for m in BUILT_IN if m != "dflash2")  # the methods with shipped heads: DFlash 2 has none yet
 
 pytestmark = pytest.mark.optimized  # its time goes into running programs, not compiling them
 
@@ -54,12 +54,12 @@ def test_shipped_heads_decode_exactly_as_plain_decoding(method, smollm2, plain_a
     tokens took 10 s of a 35-second test on this CPU.)"""
     model, _ = smollm2
     ids, plain = plain_answers
+    depth = read_heads_config(SHIPPED / method)["heads"]["num_heads"]  # DFlash's: its block less one
     tree = factory.make_generator(model, method, model_path="smollm2", tree="default", max_len=256)
-    assert tree.tree == load_fitted_tree(SHIPPED / method, registry.get(method).depth)  # the heads' own tree
+    assert tree.tree == load_fitted_tree(SHIPPED / method, depth)  # the heads' own tree
     out = tree.generate(ids[:1], 24, eos_ids=())
     assert out.tokens == plain[:1]
     assert out.steps < 24  # the heads draft something a real answer accepts
-    depth = registry.get(method).depth
     chain = factory.make_generator(model, method, model_path="smollm2", tree=f"chain:{depth}", max_len=256)
     assert chain.generate(ids, 24, eos_ids=()).tokens == plain
 
@@ -72,7 +72,7 @@ def test_shipped_heads_draft_a_tree_fitted_to_them_at_one_node_budget(method):
     recorded its figures on, it accepts more than the method's paper tree. The tree's recorded tau is
     `fit:64` where it was fitted on that split, and `default` (the shipped tree replayed) where it was
     fitted on another (EAGLE-3's, on its training data's held-out split)."""
-    depth = registry.get(method).depth
+    depth = read_heads_config(SHIPPED / method)["heads"]["num_heads"]
     budget = max(resolve_tree("paper", m, registry.get(m).depth).num_nodes for m in BUILT_IN)
     fitted, paper = load_fitted_tree(SHIPPED / method, depth), resolve_tree("paper", method, depth)
     assert fitted is not None and fitted.num_nodes == budget >= paper.num_nodes and fitted != paper

@@ -22,7 +22,7 @@ from clover_jax.drafters import BUILT_IN
 from clover_jax.io import sources
 from infer import generate
 
-BUILT_IN = tuple(m for m in BUILT_IN if not m.startswith("dflash"))  # the methods with shipped heads: none for DFlash yet
+BUILT_IN = tuple(m for m in BUILT_IN if not m.startswith("dflash"))  # the methods the reference model ships heads for (its block drafters: none)
 
 REPO = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
