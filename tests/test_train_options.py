@@ -7,7 +7,7 @@ import pytest
 
 from clover_jax.drafters.registry import drafter_config
 from clover_jax.errors import CloverError
-from train import train
+from train import options, train
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -19,20 +19,20 @@ from train import train
     ("embed_source=input", ("embed_source", "input")),
 ])
 def test_option_values_read_as_json_or_comma_lists(text, expected):
-    assert train.method_option(text) == expected
+    assert options.method_option(text) == expected
 
 
 @pytest.mark.parametrize("text", ["draft_layers", "=2", ""])
 def test_option_without_a_name_and_value_is_refused(text):
     with pytest.raises(argparse.ArgumentTypeError, match="NAME=VALUE"):
-        train.method_option(text)
+        options.method_option(text)
 
 
 def test_options_reach_the_methods_config():
     args = train.build_parser().parse_args(
         ["--method", "dflash", "--base", "b", "--data", "d", "--out", "o", "--num-heads", "7",
          "--option", "draft_layers=2", "--option", "target_layer_ids=1,14,26"])
-    cfg = drafter_config(args.method, args.num_heads, **train.method_options(args))
+    cfg = drafter_config(args.method, args.num_heads, **options.method_options(args))
     assert (cfg.num_heads, cfg.draft_layers, cfg.target_layer_ids) == (7, 2, (1, 14, 26))
 
 
@@ -40,7 +40,7 @@ def test_an_option_the_method_lacks_is_refused_by_name():
     args = train.build_parser().parse_args(
         ["--method", "medusa", "--base", "b", "--data", "d", "--out", "o", "--option", "draft_layers=2"])
     with pytest.raises(CloverError, match="draft_layers"):
-        drafter_config(args.method, args.num_heads, **train.method_options(args))
+        drafter_config(args.method, args.num_heads, **options.method_options(args))
 
 
 def test_help_lists_every_methods_options():

@@ -14,9 +14,7 @@ loads.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
-import json
 import sys
 import time
 from pathlib import Path
@@ -45,6 +43,7 @@ from clover_jax.model.llama import Llama, causal_self_mask
 from clover_jax.model.sharding import onto_mesh, put_batch, shard_module
 from clover_jax import _cli as cli
 from train import export, losses
+from train.options import method_option, method_options, options_help
 from train.data import HeadDataset
 from train.runs import (MetricsLog, check_checkpoint_space, no_space_in, pin_run, restore_latest, stop_due,
                         stop_on_interrupt)
@@ -237,40 +236,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return cli.run_main(lambda: run(args))
-
-
-def method_options(args) -> dict:
-    """The drafter options the flags set: --embed-source and --draft-vocab where the method has them, and
-    every --option NAME=VALUE (which the method's config refuses by name if it lacks it)."""
-    fields = {f.name for f in dataclasses.fields(registry.get(args.method).config)}
-    given = {"embed_source": args.embed_source, "draft_vocab": args.draft_vocab}
-    return {**{name: value for name, value in given.items() if value and name in fields}, **dict(args.option or ())}
-
-
-def method_option(text: str) -> tuple[str, object]:
-    """--option NAME=VALUE: VALUE read as JSON where it parses (2, 0.5, true, null, [1, 14]), a comma list
-    of such values as a list (1,14,26), else as text."""
-    name, sep, value = text.partition("=")
-    if not sep or not name.strip():
-        raise argparse.ArgumentTypeError(f"{text!r}: give NAME=VALUE, e.g. draft_layers=2")
-
-    def read(v: str):
-        try:
-            return json.loads(v)
-        except ValueError:
-            return v
-    parts = [read(v.strip()) for v in value.split(",")] if "," in value and not value.lstrip().startswith("[") else None
-    return name.strip(), parts if parts is not None else read(value.strip())
-
-
-def options_help() -> str:
-    """Each method's own options (its config's fields past method and num_heads), as --option lists them."""
-    rows = []
-    for m in registry.names():
-        names = [f.name for f in dataclasses.fields(registry.get(m).config) if f.name not in ("method", "num_heads")]
-        if names:
-            rows.append(f"{m}: {', '.join(names)}")
-    return "; ".join(rows)
 
 
 def check_seq_len(seq_len: int, depth: int, flag: str = "--seq-len") -> None:
