@@ -304,7 +304,7 @@ def test_step_cost_paces_the_chain_auto_picks_on_a_cpu():
     assert step_cost_for("none", "auto", "chain:1", "cpu") is None and step_cost_for(None, "auto", "chain:1") is None
     assert step_cost_for("1.5", "default", "chain:1") == 1.5 and step_cost_for(2, "auto", "chain:1") == 2.0
     for bad in ("0", "-1", "cheap", "nan"):
-        with pytest.raises(CloverError, match=f"--step-cost '{bad}': write auto, none, or a speculative step's cost"):
+        with pytest.raises(CloverError, match=f"step_cost='{bad}': write auto, none, or a speculative step's cost"):
             step_cost_for(bad, "auto", "chain:1", "cpu")
 
 

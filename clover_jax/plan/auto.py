@@ -93,5 +93,6 @@ def step_cost_for(value, tree_spec, auto_spec: str, backend: str | None = None,
     except (TypeError, ValueError):
         number = float("nan")
     if not number > 0:
-        raise CloverError(f"--step-cost {value!r}: write auto, none, or a speculative step's cost in plain steps (> 0)")
+        raise CloverError(f"step_cost={value!r}: write auto, none, or a speculative step's cost in plain steps (> 0)",
+                          arguments=("step_cost",))
     return number

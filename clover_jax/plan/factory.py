@@ -91,7 +91,8 @@ def load_drafter(model: Llama, method: str, *, model_path=None, heads: str | Pat
     if heads in (None, "shipped"):
         shipped = sources.heads_root(model_path, model_dir or sources.model_dir(model_path)) / method
         if not shipped.is_dir():
-            raise CloverError(f"no {method} heads at {shipped}; pass --heads DIR, or --heads random for untrained heads")
+            raise CloverError(f"no {method} heads at {shipped}; pass heads= a heads directory, or heads=random for "
+                              "untrained heads", arguments=("heads",))
         heads = shipped
     heads = sources.drafter_path(heads)  # a Hub id (not a local folder): its drafter files, downloaded
     return LoadedDrafter(method, load_heads(heads, model, method), Path(heads))
@@ -165,7 +166,7 @@ def make_generator(model: Llama, method: str | None, *, drafter: LoadedDrafter |
     Where the plan is None (tree `auto` with heads no chain of which pays here) it is a plain generator:
     drafting would only slow it."""
     if max_len is not None and max_len < 2:
-        raise CloverError(f"--max-len {max_len} must be >= 2 (a prompt token plus a new one)")
+        raise CloverError(f"max_len={max_len} must be >= 2 (a prompt token plus a new one)", arguments=("max_len",))
     if method is not None or drafter is not None:  # loaded here: a speculative generator drafts with it
         drafter = _drafter_for(model, method, drafter, model_path=model_path, heads=heads, num_heads=num_heads,
                                seed=seed)

@@ -60,7 +60,8 @@ def resolve_tree(spec, method: str, num_heads: int, *, fitted_tree: Tree | None 
     if s == "fitted":
         if fitted_tree is None:
             raise CloverError("tree fitted: these heads ship no fitted tree (tree.json); fit one with python -m "
-                              "train.evaluate --fit-tree N --record, or draft the paper tree (--tree paper)")
+                              "train.evaluate --fit-tree N --record, or draft the paper tree (tree=paper)",
+                              arguments=("tree",))
         return Tree.from_paths(fitted_tree.paths, heads)
     if s == "auto":
         raise CloverError("tree auto is a choice a generator's planner makes for this machine, not a tree to "
