@@ -37,7 +37,8 @@ METHODS = ("clover2", "clover", "medusa", "eagle", "eagle3")
 # gamma 4), one draft layer reading the layers EAGLE-3's stored features hold (1, L/2 - 1, L - 4: SmolLM2's
 # 1, 14, 26), the paper's AdamW at 6e-4. Named with --methods; not in the default five.
 BLOCK_DRAFTERS = ("dflash", "dflash2")
-BLOCK_RECIPE = ["--num-heads", "7", "--option", "draft_layers=1", "--option", "target_layer_ids=1,14,26", "--lr", "6e-4"]
+BLOCK_RECIPE = ["--num-heads", "7", "--option", "draft_layers=1", "--option", "target_layer_ids=1,14,26",
+                "--lr", "6e-4"]
 MODELS = ("smollm2", "gemma3")
 GEMMA_EVAL = 320  # Gemma 3's held-out records: ShareGPT's first, answered by the model itself
 PIECE = 15 * 2**20  # under the 16 MiB a returned file may be

@@ -3,8 +3,8 @@
     python -m train.evaluate --heads models/smollm2/heads/eagle3 --base smollm2 --data data/smollm2-sharegpt-640f
 
 Prints the held-out figures train.train records (loss, each head's top-1 and top-5 accuracy, the chain
-tau through the first 1, 2, ... heads, greedy and when sampling at temperature 1) for heads as they are stored, on another dataset or split than
-they were trained with. Heads exported before train.train recorded the chain tau per depth can gain
+tau through the first 1, 2, ... heads, greedy and when sampling at temperature 1) for heads as they
+are stored, on another dataset or split than they were trained with. Heads exported before train.train recorded the chain tau per depth can gain
 it with `--record`, which `--tree auto` on a CPU then picks its chain depth by.
 
 `--tree SPEC` also replays decoding on a static tree, exactly as the engine steps greedy, and
@@ -201,7 +201,8 @@ def run(args) -> int:
           f"loss {figures['val_loss']:.4f}, top-1 per head {[round(a, 3) for a in figures['val_top1']]}, "
           f"chain tau through 1, 2, ... heads {[round(t, 3) for t in figures['val_chain_tau_by_depth']]}")
     for temperature, taus in figures["val_sampled_chain_tau_by_depth"].items():
-        print(f"  sampled at temperature {temperature}: chain tau through 1, 2, ... heads {[round(t, 3) for t in taus]}")
+        print(f"  sampled at temperature {temperature}: chain tau through 1, 2, ... heads "
+              f"{[round(t, 3) for t in taus]}")
     report.update(replayed_trees(args, drafter, kept))
     if args.json:
         write_text(args.json, json.dumps(report, indent=2) + "\n")

@@ -123,7 +123,8 @@ def accept_probability(head_logits: jax.Array, base_logits: jax.Array, masks: ja
     """[K, B, T]: the chance that speculative sampling at `temperature` keeps head k's draft at position t,
     sum_v min(p(v), q(v)), p the base model's distribution of token t+2+k (its logits at position t+1+k)
     and q the head's, both at the temperature over the same vocabulary (drafts drawn at the temperature,
-    as `draft_temperature` 1 draws them); 0 where the target does not count (masks), lies past the window or a logit is NaN."""
+    as `draft_temperature` 1 draws them); 0 where the target does not count (masks), lies past the
+    window or a logit is NaN."""
     k = head_logits.shape[0]
     p = jax.nn.softmax(shifted(base_logits, k).astype(jnp.float32) / temperature, axis=-1)
     q = jax.nn.softmax(head_logits.astype(jnp.float32) / temperature, axis=-1)
@@ -158,8 +159,8 @@ def held_out_figures(batch_metrics, batches, limit: int, kept: list | None = Non
     the first 1, 2, ... heads (decoding's steps replayed over the responses). `batch_metrics(batch)`
     gives `head_loss`'s metrics with ranks and acceptance (`accept`: [S, K, B, T], one
     `accept_probability` per SAMPLED_TEMPERATURES); the chain tau when sampling at each of those
-    temperatures is `val_sampled_chain_tau_by_depth` {"1": [...]}. Each batch's (ranks, loss mask) on the host is appended to
-    `kept` when given, for replaying trees afterwards. Empty when there is no batch."""
+    temperatures is `val_sampled_chain_tau_by_depth` {"1": [...]}. Each batch's (ranks, loss mask) on
+    the host is appended to `kept` when given, for replaying trees afterwards. Empty when there is no batch."""
     sums, n, steps, sampled = None, 0, {}, {}
     for i, batch in enumerate(batches):
         if i >= limit:

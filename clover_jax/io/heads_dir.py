@@ -161,8 +161,9 @@ def held_out_chain_tau(heads_dir: str | Path | None, sampling: bool = False) -> 
     if sampling:
         taus = taus.get("1") if isinstance(taus, dict) else None
         if taus is None:
-            raise CloverError(f"{Path(heads_dir) / CONFIG}: {key} should map temperature '1' to a list of numbers "
-                              "(one per head); delete the entry or measure the heads again with python -m train.evaluate")
+            raise CloverError(f"{Path(heads_dir) / CONFIG}: {key} should map temperature '1' to a list of "
+                              "numbers (one per head); delete the entry or measure the heads again with python -m "
+                              "train.evaluate")
     if not (isinstance(taus, list) and taus and all(isinstance(t, (int, float)) and t >= 1 for t in taus)):
         raise CloverError(f"{Path(heads_dir) / CONFIG}: {key} should be a list of numbers >= 1, one per head; "
                           "delete the entry or re-export the heads")
