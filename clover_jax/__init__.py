@@ -11,8 +11,10 @@ The front door (`clover_jax.api`):
     out = gen.generate(["def fibonacci(n):"], max_new_tokens=64)
     out.texts, out.tokens, out.tau, out.tokens_per_second, out.finish_reasons
 
-Every name below is public: the command-line tools (`infer/`) and the notebooks build their models,
-drafters and generators from these and nothing deeper (tests/test_front_door.py holds them to it).
+Every name below is public: the command-line tools (`infer/`, `train/`) and the notebooks build their
+models, drafters and generators from these and nothing deeper (tests/test_front_door.py holds them to it);
+what training a drafter needs besides (the method table, the losses' helpers, heads on disk) is
+`clover_jax.training`'s, a namespace like this one.
 
 - the front door: `load`, `Model`, `TextGenerator`, `Generation`, `DTYPES`, `SamplingConfig`,
   `finish_reason`, `CloverError`;

@@ -16,12 +16,12 @@ from typing import Iterator, Sequence
 import ml_dtypes
 import numpy as np
 
-from clover_jax.io.heads_dir import base_fingerprint
+from clover_jax import Llama
 from clover_jax import _cli as cli
 from clover_jax.errors import CloverError
 from clover_jax.io.files import (allocated_bytes, atomic_path, check_free_space, preallocate, recover_dir, replace_dir,
                                  temporary_name, write_text)
-from clover_jax.model.llama import Llama
+from clover_jax.training import base_fingerprint
 
 # The files `train.make_data` writes; meta.json is written last, so without it a dataset is unfinished.
 FILES = ("tokens.npy", "offsets.npy", "loss_mask.npy", "hidden.npy", "features.npy")

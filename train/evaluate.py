@@ -27,16 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from clover_jax import Tree, load_pretrained, resolve_tree
 from clover_jax import _cli as cli
-from clover_jax.io.heads_dir import (CONFIG, TREE, is_ours, load_fitted_tree, load_heads, load_token_counts,
-                                    read_heads_config, save_fitted_tree)
-from clover_jax.io.hf import load_pretrained
-from clover_jax.drafters.vocab import DraftVocab
 from clover_jax.errors import CloverError
 from clover_jax.io.files import write_text
-from clover_jax.trees.static import Tree
+from clover_jax.training import (CONFIG, TREE, DraftVocab, is_ours, load_fitted_tree, load_heads, load_token_counts,
+                                 read_heads_config, save_fitted_tree)
 from clover_jax.trees.fit import fit
-from clover_jax.trees.spec import resolve_tree
 from train import losses
 from train.losses import tau_of
 from train import train

@@ -20,15 +20,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from clover_jax import DTYPES, Llama, load_pretrained
 from clover_jax import _cli as cli
-from clover_jax.api import DTYPES
-from clover_jax.drafters import registry
-from clover_jax.drafters.base import Drafter
 from clover_jax.errors import CloverError
 from clover_jax.io import formats, sources
-from clover_jax.io.heads_dir import CONFIG, load_heads, read_heads_config
-from clover_jax.io.hf import load_pretrained
-from clover_jax.model.llama import Llama
+from clover_jax.training import CONFIG, Drafter, load_heads, read_heads_config, registry
 
 FORMATS_HELP = ("sglang (SpecForge / SGLang EAGLE-3: LlamaForCausalLMEagle3), speculators (vLLM's speculators "
                 "EAGLE-3), medusa (Medusa-1's medusa_lm_head.safetensors) or eagle1 (the EAGLE authors' EAGLE-1)")

@@ -23,12 +23,12 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from clover_jax import BUCKETS, Llama
 from clover_jax import _cli as cli
-from clover_jax.engine.decode import BUCKETS, bucket_for, to_host
+from clover_jax.engine.decode import bucket_for
 from clover_jax.errors import CloverError
 from clover_jax.io.files import preallocate, write_text
-from clover_jax.model.llama import Llama, causal_self_mask
-from clover_jax.model.sharding import put_batch
+from clover_jax.training import causal_self_mask, put_batch, to_host
 from train.data import HIDDEN_DTYPES, PARTIAL, new_memmap
 
 SAVE_EVERY_S = 60.0  # how often the hidden-state pass records how far it got

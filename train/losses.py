@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clover_jax.drafters.losses import masked_mean, shifted
-from clover_jax.engine.decode import to_host
+from clover_jax.training import masked_mean, shifted, to_host
 
 
 def scoreable(head_logits: jax.Array, targets: jax.Array) -> jax.Array:

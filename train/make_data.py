@@ -48,17 +48,12 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from clover_jax.api import DTYPES
+from clover_jax import DTYPES, Generator, Llama, ModelConfig, SamplingConfig, load_pretrained
 from clover_jax.io import sources
-from clover_jax.io.heads_dir import base_fingerprint
-from clover_jax.model.config import ModelConfig
-from clover_jax.io.hf import load_pretrained
-from clover_jax.engine.decode import Generator
+from clover_jax.training import base_fingerprint
 from clover_jax.errors import CloverError
 from clover_jax.io.files import space_errors
 from clover_jax.drafters.eagle3 import eagle3_layers
-from clover_jax.model.llama import Llama
-from clover_jax.engine.sampling import SamplingConfig
 from clover_jax import _cli as cli
 from clover_jax._cli.conversation import answer_turns, encode_conversation, masked_ids, record_turns
 from train.answers import AnswerStore

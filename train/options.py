@@ -8,7 +8,7 @@ import argparse
 import dataclasses
 import json
 
-from clover_jax.drafters import registry
+from clover_jax.training import registry
 
 
 def method_options(args) -> dict:

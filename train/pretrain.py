@@ -26,10 +26,9 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
 
-from clover_jax.model.config import ModelConfig
-from clover_jax.io.hf import save_pretrained
+from clover_jax import Llama, ModelConfig
 from clover_jax.io.files import copy_file, write_text
-from clover_jax.model.llama import Llama, causal_self_mask
+from clover_jax.training import causal_self_mask, save_pretrained
 from clover_jax import _cli as cli
 from train import corpus
 from train.runs import MetricsLog, pin_run, restore_latest, stop_due, stop_on_interrupt

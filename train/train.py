@@ -27,21 +27,13 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
 
-from clover_jax.drafters import HEADS
-from clover_jax.drafters import registry
-from clover_jax.io.files import check_free_space, sha256
-from clover_jax.io.heads_dir import WEIGHTS, export_bytes, load_heads, save_heads
-from clover_jax.api import DTYPES
-from clover_jax.io.hf import load_pretrained
-from clover_jax.engine.decode import to_host
-from clover_jax.drafters.vocab import DraftVocab, probability_mass, token_counts
-from clover_jax.drafters.base import Drafter
-from clover_jax.drafters.registry import drafter_config
-from clover_jax.drafters.losses import shift_left, targets_and_masks
-from clover_jax.errors import CloverError
-from clover_jax.model.llama import Llama, causal_self_mask
-from clover_jax.model.sharding import onto_mesh, put_batch, shard_module
+from clover_jax import DTYPES, Llama, load_pretrained
 from clover_jax import _cli as cli
+from clover_jax.errors import CloverError
+from clover_jax.io.files import check_free_space, sha256
+from clover_jax.training import (HEADS, WEIGHTS, Drafter, DraftVocab, causal_self_mask, drafter_config, export_bytes,
+                                 load_heads, onto_mesh, probability_mass, put_batch, registry, save_heads, shard_module,
+                                 shift_left, targets_and_masks, to_host, token_counts)
 from train import export, losses
 from train.options import method_option, method_options, options_help
 from train.data import HeadDataset
