@@ -44,6 +44,8 @@ REACHES = {
     "infer/generate.py": {"clover_jax.drafters": "--num-heads' help lists the draft heads (HEADS)...",
                           "clover_jax.drafters.registry": "... and each one's default depth"},
     "infer/fitting.py": {"clover_jax.trees.fit": "fits a tree to a run's accepted paths"},
+    "infer/pacing_cost.py": {"clover_jax.engine.pacing": "times a paced loop's flush (Paced.flush) on its own",
+                             "clover_jax.io.files": "writes the JSON atomically"},
     "infer/loop_flags.py": {"clover_jax.engine.chunks": "checks --loop-chunk as the engine will"},
     "infer/report.py": {"clover_jax.io.files": "writes the JSON and the plot atomically",
                         "clover_jax.plan.step_cost": "names the CPU the step costs were timed on"},
