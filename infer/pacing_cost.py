@@ -8,7 +8,7 @@ probes keep failing; what the plain steps commit reaches the drafter in one comm
 flush). A plain step of that loop should cost what plain decoding's does. Per method, at batch 1 on the
 same prompts, each run to the token budget, this times:
 
-- plain decoding's step: its decoding loop's time (each prompt's prefill timed apart and taken off)
+- plain decoding's step, timed beside each method: its decoding loop's time (each prompt's prefill timed apart and taken off)
   over its steps;
 - the speculative step, drafting at every step (unpaced): what a probe costs;
 - the paced loop at a step cost no draft can pay for, so that it takes plain steps and probes only;
@@ -41,22 +41,27 @@ from clover_jax.io.files import write_text
 NEVER_PAYS = 1e6
 
 
-def loop_seconds(generator, prompts: list[list[int]], max_new: int, sampling: SamplingConfig, repeats: int):
-    """(median over `repeats` timed passes of the decoding loops' seconds, summed over the prompts;
-    per prompt its decoding steps and, of those, the steps that drafted; the last run's output). A
-    loop's time is a run of `max_new` tokens less a run of the same program with a budget of one token,
-    which is the prefill alone. The first pass compiles."""
-    passes = []
+def loop_seconds(generators: dict, prompts: list[list[int]], max_new: int, sampling: SamplingConfig,
+                 repeats: int) -> dict:
+    """{name: (median over `repeats` timed passes of the decoding loops' seconds, summed over the
+    prompts; per prompt its decoding steps and, of those, the steps that drafted; the last run's
+    output)} for each of `generators`. A loop's time is a run of `max_new` tokens less a run of the same
+    program with a budget of one token, which is the prefill alone. Each pass takes every generator in
+    turn, so that a shared machine's drifting load falls on all alike; the first pass compiles."""
+    seconds = {name: [] for name in generators}
+    counts = {}
     for _ in range(repeats + 1):
-        total, steps, drafted = 0.0, [], []
-        for p in prompts:
-            prefill = generator.generate([p], max_new, sampling=sampling, eos_ids=(), budgets=[1]).run_seconds
-            out = generator.generate([p], max_new, sampling=sampling, eos_ids=())
-            total += out.run_seconds - prefill
-            steps.append(out.decode_steps)
-            drafted.append(out.drafted_steps)
-        passes.append(total)
-    return statistics.median(passes[1:]), steps, drafted, out
+        for name, generator in generators.items():
+            total, steps, drafted = 0.0, [], []
+            for p in prompts:
+                prefill = generator.generate([p], max_new, sampling=sampling, eos_ids=(), budgets=[1]).run_seconds
+                out = generator.generate([p], max_new, sampling=sampling, eos_ids=())
+                total += out.run_seconds - prefill
+                steps.append(out.decode_steps)
+                drafted.append(out.drafted_steps)
+            seconds[name].append(total)
+            counts[name] = (steps, drafted, out)
+    return {name: (statistics.median(seconds[name][1:]), *counts[name]) for name in generators}
 
 
 def flushes(plain_steps: int) -> int:
@@ -91,39 +96,39 @@ def flush_seconds(generator, state, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
-def measure(model, method: str, tree: str, prompts, max_new: int, sampling: SamplingConfig, repeats: int,
-            plain_ms: float) -> dict:
-    """One method's figures (the module docstring), in milliseconds."""
+def measure(model, method: str, tree: str, prompts, max_new: int, sampling: SamplingConfig, repeats: int) -> dict:
+    """One method's figures (the module docstring), in milliseconds, plain decoding timed beside it."""
     drafter = model.drafter(method)
     build = lambda cost: make_generator(model.module, method, drafter=drafter, tree=tree, greedy=sampling.greedy,
                                         step_cost=cost)
-    unpaced_s, unpaced_steps, _, _ = loop_seconds(build(None), prompts, max_new, sampling, repeats)
-    spec_ms = 1e3 * unpaced_s / max(sum(unpaced_steps), 1)
-    paced = build(NEVER_PAYS)
-    paced_s, steps, drafted, out = loop_seconds(paced, prompts, max_new, sampling, repeats)
+    timed = loop_seconds({"plain": make_generator(model.module, None), "unpaced": build(None),
+                          "paced": build(NEVER_PAYS)}, prompts, max_new, sampling, repeats)
+    plain_s, plain_n, _, _ = timed["plain"]
+    plain_ms = 1e3 * plain_s / sum(plain_n)
+    unpaced_s, unpaced_n, _, _ = timed["unpaced"]
+    spec_ms = 1e3 * unpaced_s / max(sum(unpaced_n), 1)
+    paced_s, steps, drafted, out = timed["paced"]
     plain = [n - d for n, d in zip(steps, drafted)]
     plain_steps, probes = sum(plain), sum(drafted)
     if plain_steps < 1:
         raise CloverError(f"{method}: the paced loop took no plain step; raise --max-new-tokens")
     paced_plain_ms = (1e3 * paced_s - probes * spec_ms) / plain_steps
-    flush_ms = 1e3 * flush_seconds(paced, out.state)
+    flush_ms = 1e3 * flush_seconds(build(NEVER_PAYS), out.state)
     per_step_flush = flush_ms * sum(map(flushes, plain)) / plain_steps
-    return dict(method=method, tree=tree, speculative_step_ms=spec_ms, probe_plain_steps=spec_ms / plain_ms,
-                paced_plain_step_ms=paced_plain_ms, over_plain=paced_plain_ms / plain_ms - 1,
-                flush_ms=flush_ms, flush_per_plain_step_ms=per_step_flush,
-                loop_overhead_ms=paced_plain_ms - plain_ms - per_step_flush,
-                probes=probes, plain_steps=plain_steps)
+    return dict(method=method, tree=tree, plain_step_ms=plain_ms, speculative_step_ms=spec_ms,
+                probe_plain_steps=spec_ms / plain_ms, paced_plain_step_ms=paced_plain_ms,
+                over_plain=paced_plain_ms / plain_ms - 1, flush_ms=flush_ms, flush_per_plain_step_ms=per_step_flush,
+                loop_overhead_ms=paced_plain_ms - plain_ms - per_step_flush, probes=probes, plain_steps=plain_steps)
 
 
-def table(plain_ms: float, rows: list[dict]) -> str:
-    lines = [f"plain decoding: {plain_ms:.3f} ms a step",
-             "| method | tree | probe ms (plain steps) | paced plain step ms (vs plain) | flush ms (per plain step) | "
-             "loop's own ms | probes / plain steps |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+def table(rows: list[dict]) -> str:
+    lines = ["| method | tree | plain step ms | probe ms (plain steps) | paced plain step ms (vs plain) | "
+             "flush ms (per plain step) | loop's own ms | probes / plain steps |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r['method']} | {r['tree']} | {r['speculative_step_ms']:.3f} ({r['probe_plain_steps']:.2f}) | "
-                     f"{r['paced_plain_step_ms']:.3f} ({r['over_plain']:+.1%}) | {r['flush_ms']:.3f} "
-                     f"({r['flush_per_plain_step_ms']:.3f}) | {r['loop_overhead_ms']:+.3f} | "
+        lines.append(f"| {r['method']} | {r['tree']} | {r['plain_step_ms']:.3f} | {r['speculative_step_ms']:.3f} "
+                     f"({r['probe_plain_steps']:.2f}) | {r['paced_plain_step_ms']:.3f} ({r['over_plain']:+.1%}) | "
+                     f"{r['flush_ms']:.3f} ({r['flush_per_plain_step_ms']:.3f}) | {r['loop_overhead_ms']:+.3f} | "
                      f"{r['probes']} / {r['plain_steps']} |")
     return "\n".join(lines)
 
@@ -162,14 +167,10 @@ def _main(args: argparse.Namespace) -> int:
     model = load(args.model)
     texts = cli.read_prompts(args.prompts or cli.default_prompts(args.model, model.path))[: args.num_prompts]
     prompts = [model.encode(t) for t in texts]
-    plain_s, plain_steps, _, _ = loop_seconds(make_generator(model.module, None), prompts, args.max_new_tokens,
-                                              sampling, args.repeats)
-    plain_ms = 1e3 * plain_s / sum(plain_steps)
-    rows = [measure(model, m, args.tree, prompts, args.max_new_tokens, sampling, args.repeats, plain_ms)
-            for m in methods]
-    print(table(plain_ms, rows))
+    rows = [measure(model, m, args.tree, prompts, args.max_new_tokens, sampling, args.repeats) for m in methods]
+    print(table(rows))
     if args.json:
-        record = dict(plain_step_ms=plain_ms, backend=jax.default_backend(), temperature=args.temperature,
+        record = dict(backend=jax.default_backend(), temperature=args.temperature,
                       prompts=len(prompts), max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                       command="python -m infer.pacing_cost " + " ".join(sys.argv[1:]), rows=rows)
         write_text(args.json, json.dumps(record, indent=1) + "\n")

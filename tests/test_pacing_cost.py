@@ -28,11 +28,11 @@ def test_a_run_accounts_for_every_step(tmp_path, capsys):
         runs, left, wait = runs + 1, left - wait, min(2 * wait, 64)
     assert row["probes"] in (runs, runs + 1)
     assert row["plain_steps"] + row["probes"] <= 40
-    assert row["flush_ms"] > 0 and record["plain_step_ms"] > 0
-    split = row["paced_plain_step_ms"] - record["plain_step_ms"] - row["flush_per_plain_step_ms"]
+    assert row["flush_ms"] > 0 and row["plain_step_ms"] > 0
+    split = row["paced_plain_step_ms"] - row["plain_step_ms"] - row["flush_per_plain_step_ms"]
     assert row["loop_overhead_ms"] == pytest.approx(split)
     printed = capsys.readouterr().out
-    assert "| medusa | chain:3 |" in printed and "plain decoding:" in printed
+    assert "| medusa | chain:3 |" in printed
 
 
 @pytest.mark.parametrize("argv, message", [(["--repeats", "0"], "--repeats 0 must be >= 1"),
