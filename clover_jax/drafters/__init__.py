@@ -2,7 +2,7 @@
 itself in `registry` when imported, so importing them here, in the order the tools list them, makes every
 import of the package (`from clover_jax.drafters import registry`, ...) find the whole list."""
 
-from clover_jax.drafters import medusa, clover, clover2, eagle, eagle3, dflash, dflash2, dspark, dflash_clover  # noqa: F401,I001  (each registers itself)
+from clover_jax.drafters import medusa, clover, clover2, eagle, eagle3, dflash, dflash2, dspark, domino, dflash_clover  # noqa: F401,I001  (each registers itself)
 from clover_jax.drafters import registry
 from clover_jax.drafters.heads import Heads
 

@@ -1,0 +1,114 @@
+"""Domino (SpecForge 0.2.0's `DominoDraftModel`): DFlash with a GRU correction. With a tiny random
+DominoDraftModel's weights copied in, our chain's logits are those their `apply_logits_head` gives the
+block their `_sample_draft_tokens` draws greedily (positions before `suffix_start` left as DFlash's),
+on the first block and on the block after a verification that rejected slots. Greedy output is plain
+decoding's on chains, static and dynamic trees at batch 1 and 4; each tree node's GRU state follows its
+own path; training scores what decoding scores; a bad option is one line.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from clover_jax.drafters.registry import drafter_config
+from clover_jax.engine.decode import Generator
+from clover_jax.errors import CloverError
+from conftest import assert_one_line
+from test_dflash import BLOCK, PROMPT, committed, our_blocks, qwen3  # noqa: F401
+from test_dspark import (greedy_is_plain, ours_of, perturbed, specforge_model, their_hidden,
+                         training_scores_what_decoding_scores, tree_nodes_score_their_paths)
+
+torch = pytest.importorskip("torch")
+domino = pytest.importorskip("specforge.modeling.draft.domino", reason="SpecForge 0.2.0: pip install specforge==0.2.0")
+
+SIZES = {"emb_dim": 12, "gru_hidden_dim": 10}
+RENAMES = {"embed_proj.0.weight": "embed_proj.up.weight", "embed_proj.2.weight": "embed_proj.out.weight"}
+
+
+def their_chain(model, hf, hidden, root):
+    """(their greedy block [b - 1], its corrected logits [b - 1, V] at positions 1..b-1)."""
+    with torch.no_grad():
+        block = torch.tensor([[root] + [0] * (BLOCK - 1)])
+        tokens = model._sample_draft_tokens(hf, hidden, block)
+        completed = torch.cat([block[:, :1], tokens], 1)
+        logits = model.apply_logits_head(hf.lm_head(hidden)[:, None], hidden_states=hidden[:, None],
+                                         prev_token_embeddings=hf.model.embed_tokens(completed)[:, None])
+    return tokens[0].tolist(), logits[0, 0, 1:].numpy()
+
+
+@pytest.mark.parametrize("prefix", [0, 1])
+def test_the_corrected_block_is_specforges(qwen3, prefix):
+    from transformers import DynamicCache
+
+    hf, base = qwen3
+    model = specforge_model(base, domino.DominoDraftModel, seed=prefix, pure_draft_prefix_len=prefix, **SIZES)
+    assert model.suffix_start == 1 + prefix
+    drafter = ours_of(model, base, "domino", RENAMES, pure_draft_prefix_len=prefix, **SIZES)
+    cache = DynamicCache()
+    plain = Generator(base).generate([PROMPT], 8, eos_ids=[]).tokens[0]
+    root = plain[0]
+    want_tokens, want = their_chain(model, hf, their_hidden(model, hf, PROMPT, 0, root, cache), root)
+    state = committed(base, drafter, PROMPT, PROMPT[1:] + [root])
+    got, state = our_blocks(drafter, base, state, root, len(PROMPT))
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert list(np.argmax(got, -1)) == want_tokens
+    with torch.no_grad():  # the positions it corrects differ from DFlash's logits; the others do not
+        dflash = hf.lm_head(their_hidden(model, hf, PROMPT, 0, root, DynamicCache()))[0, 1:].numpy()
+    corrected = [not np.allclose(g, d, atol=1e-3) for g, d in zip(got, dflash)]
+    assert corrected == [k + 1 >= 1 + prefix for k in range(BLOCK - 1)]
+
+    verified = PROMPT + [root] + want_tokens  # the step verified the root and its 3 drafts; 2 of them stay
+    bonus = plain[1] if want_tokens[0] != plain[1] else (plain[1] + 1) % base.cfg.vocab_size
+    kept = PROMPT + [root, want_tokens[0]]
+    want_tokens, want = their_chain(model, hf, their_hidden(model, hf, kept, len(PROMPT), bonus, cache), bonus)
+    following = verified[1:] + [0]
+    following[len(kept) - 1] = bonus
+    state = committed(base, drafter, verified, following, start=len(PROMPT), state=state, count=2)
+    got, _ = our_blocks(drafter, base, state, bonus, len(kept))
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert list(np.argmax(got, -1)) == want_tokens
+
+
+def small_correction(base, prefix: int):
+    """A perturbed Domino drafter whose correction is a twentieth of the perturbation's size, so that
+    the random drafter's drafts are still accepted now and then (the full one drowns DFlash's logits)."""
+    drafter = perturbed(base, "domino", pure_draft_prefix_len=prefix, **SIZES)
+    drafter.embed_proj.out.kernel[...] = 0.05 * drafter.embed_proj.out.kernel[...]
+    return drafter
+
+
+CASES = [(0, "chain:3", 1), (0, "chain:3", 4), (0, "widths:3,2,2", 4), (0, "widths:3,2,2", 1), (0, "dynamic:8", 4),
+         (0, "eagle2:10,3,2", 1), (0, "eagle2:10,3,2", 4), (1, "widths:3,2,2", 4), (1, "eagle2:10,3,2", 1)]
+
+
+@pytest.mark.parametrize("prefix, spec, batch", CASES)
+def test_greedy_decodes_as_plain(qwen3, prefix, spec, batch):
+    base = qwen3[1]
+    greedy_is_plain(base, small_correction(base, prefix), "domino", spec, batch)
+
+
+@pytest.mark.parametrize("prefix", [0, 1])
+def test_each_tree_node_scores_its_own_path(qwen3, prefix):
+    base = qwen3[1]
+    tree_nodes_score_their_paths(base, perturbed(base, "domino", pure_draft_prefix_len=prefix, **SIZES), "widths:3,2,2")
+
+
+@pytest.mark.parametrize("prefix", [0, 1])
+def test_training_scores_what_decoding_scores(qwen3, prefix):
+    base = qwen3[1]
+    training_scores_what_decoding_scores(base, perturbed(base, "domino", pure_draft_prefix_len=prefix, **SIZES))
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"emb_dim": 0}, "emb_dim=0 must be an integer >= 1"),
+    ({"gru_hidden_dim": "8"}, "gru_hidden_dim='8' must be an integer >= 1"),
+    ({"pure_draft_prefix_len": -1}, "pure_draft_prefix_len=-1 must be an integer >= 0"),
+    ({"shift_label": True}, "shift_label=True: only False is drafted here"),
+    ({"markov_rank": 4}, "Domino drafters have no option markov_rank"),
+])
+def test_a_bad_option_is_one_line(options, message):
+    with pytest.raises(CloverError) as e:
+        drafter_config("domino", 3, **options)
+    assert message in str(e.value), str(e.value)
+    assert_one_line(e)
