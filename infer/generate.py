@@ -72,11 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "--max-len; with --json each object also gives record and turn, from 1) (default: "
                         "%(default)s)")
     p.add_argument("--method", choices=(PLAIN,) + METHODS, default=PLAIN,
-                   help="decoding method: plain (one token per forward pass) or speculative decoding with "
-                        "medusa, clover or clover2 draft heads (default: %(default)s)")
-    p.add_argument("--heads", metavar="DIR",
-                   help="draft heads directory written by train.train, or 'random' for untrained heads "
-                        "(default: MODEL/heads/METHOD, the heads shipped beside the model)")
+                   help="decoding method: plain (one token per forward pass) or speculative decoding with a "
+                        "draft method's drafter: draft heads (medusa, clover, clover2), a draft model (eagle, "
+                        "eagle3) or a block drafter (dflash, dflash2) (default: %(default)s)")
+    p.add_argument("--drafter", "--heads", dest="heads", metavar="DIR",
+                   help="the drafter (draft heads or a draft model): a directory written by train.train, a "
+                        "published drafter's folder or Hub id, or 'random' for an untrained one; --heads is "
+                        "the same flag, by its older name (default: MODEL/heads/METHOD, the drafter shipped "
+                        "beside the model)")
     p.add_argument("--tree", metavar="SPEC", default="auto",
                    help="draft tree: a static one - default (the tree fitted to the heads, their tree.json, "
                         "else the method's paper tree; on a GPU or TPU, EAGLE-1's and EAGLE-3's own dynamic "

@@ -30,7 +30,7 @@ from clover_jax.io import tokenization
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FLAGS = ("--model", "--prompt", "--prompts", "--chat", "--method", "--max-new-tokens", "--temperature",
          "--top-p", "--top-k", "--draft-temperature", "--seed", "--dtype", "--max-len", "--batch-size", "--json",
-         "--heads", "--tree", "--draft-vocab", "--num-heads", "--mesh", "--coordinator", "--num-processes", "--process-id",
+         "--drafter", "--heads", "--tree", "--draft-vocab", "--num-heads", "--mesh", "--coordinator", "--num-processes", "--process-id",
          "--stream", "--system", "--interactive", "--compile-cache", "--chat-template", "--turns", "--step-cost",
          "--loop-chunk")
 STATS = re.compile(r"^\[(plain|medusa|clover|clover2)\]( tree=\d+ nodes, depth \d+, drafting from (all|\d+) tokens"
@@ -434,3 +434,12 @@ def test_layers_read_library_then_tools():
         for path in sorted((REPO / package).glob("*.py")):
             bad = [m for m in imported(path) if m.split(".")[0] in banned]
             assert not bad, f"{path.relative_to(REPO)} imports {bad}"
+
+
+@pytest.mark.parametrize("tool", ["infer.generate", "train.evaluate", "train.export"])
+def test_drafter_and_its_older_name_heads_are_one_flag(tool):
+    import importlib
+
+    parser = importlib.import_module(tool).build_parser()
+    [action] = [a for a in parser._actions if "--drafter" in a.option_strings]
+    assert action.option_strings == ["--drafter", "--heads"] and action.dest == "heads"

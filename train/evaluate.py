@@ -51,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "responses) through the first 1, 2, ... heads. The window, batch and loss vocabulary default "
                     "to the heads' own training settings (heads.json), so the figures compare with its held_out.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--heads", required=True, metavar="DIR",
-                   help="heads directory written by train.train, or a published drafter as infer.generate's --heads "
+    p.add_argument("--drafter", "--heads", dest="heads", required=True, metavar="DIR",
+                   help="the drafter (draft heads or a draft model; --heads is the same flag, by its older name): "
+                        "a directory written by train.train, or a published drafter as infer.generate's --drafter "
                         "reads it (a folder or Hub id: SpecForge/SGLang, speculators or EAGLE authors' EAGLE-3, "
                         "Medusa-1), measured with train.train's default settings")
     p.add_argument("--base", required=True, metavar="DIR|NAME",

@@ -118,8 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write heads exported by train.train in another project's drafter format, for its engine to "
                     "load (infer.generate --heads reads these formats too).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--heads", required=True, metavar="DIR",
-                   help="heads written by train.train (heads.json + heads.safetensors)")
+    p.add_argument("--drafter", "--heads", dest="heads", required=True, metavar="DIR",
+                   help="a drafter (draft heads or a draft model) written by train.train (heads.json + "
+                        "heads.safetensors); --heads is the same flag, by its older name")
     p.add_argument("--format", required=True, metavar="NAME", help=f"the format to write: {FORMATS_HELP}")
     p.add_argument("--out", required=True, metavar="DIR",
                    help="folder to write the export into (made if missing; the format's files there are replaced "
