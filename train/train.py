@@ -7,6 +7,8 @@ argument, and the optimizer state covers the drafter alone. Every method trains 
 drafter's `train_forward` drafts teacher-forced, its registry entry's loss scores that. Batches are a
 pure function of (seed, step) and orbax saves the drafter, optimizer state and step together, so
 `--resume` after a kill continues exactly.
+`--backbone DIR` trains only a correction on a trained drafter (DFlash + Clover cell on a DFlash one): DIR's
+parameters are fixed, and neither the optimizer nor the checkpoints hold them; the export holds them all.
 The result is exported as safetensors + JSON (`clover_jax.io.heads_dir`) that `infer.generate --heads`
 loads.
 """
@@ -35,7 +37,7 @@ from clover_jax.training import (HEADS, WEIGHTS, Drafter, DraftVocab, causal_sel
                                  load_heads, onto_mesh, probability_mass, put_batch, registry, save_heads, shard_module,
                                  shift_left, targets_and_masks, to_host, token_counts)
 from train import export, losses
-from train.options import method_option, method_options, options_help
+from train.options import backbone_drafter, method_option, method_options, options_help
 from train.data import HeadDataset
 from train.runs import (MetricsLog, check_checkpoint_space, no_space_in, pin_run, restore_latest, stop_due,
                         stop_on_interrupt)
@@ -190,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "models/smollm2/heads/clover2), or a published drafter as --heads reads it (a folder or "
                         "Hub id of SpecForge/SGLang, speculators or EAGLE authors' EAGLE-3, Medusa-1, EAGLE-1); "
                         "they keep their own number of heads, embedding source, draft vocabulary and feature layers")
+    p.add_argument("--backbone", metavar="HEADS",
+                   help="train only the correction of a method that names a frozen backbone (dflash_clover: a "
+                        "trained dflash drafter, e.g. models/smollm2/heads/dflash), on that drafter's fixed weights")
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps (the schedule's length)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per training window")
@@ -288,7 +293,11 @@ def run(args) -> int:
     if args.eval_data:
         held = open_dataset(args.eval_data, base)
         val_idx = held.split(args.val_fraction)[1]
-    if args.init_from:
+    frozen = frozenset()  # the paths of the parameters --backbone fixes
+    if args.backbone:
+        drafter, frozen = backbone_drafter(args, base)
+        hcfg = drafter.hcfg
+    elif args.init_from:
         args.init_from = str(sources.drafter_path(args.init_from))  # a Hub id of a published drafter: its files
         drafter = load_heads(args.init_from, base, method=args.method)
         hcfg = drafter.hcfg
@@ -332,7 +341,8 @@ def run(args) -> int:
     nnx.update(drafter, jax.tree.map(lambda x: x.astype(jnp.float32), nnx.state(drafter, nnx.Param)))
     if mesh is not None:
         shard_module(drafter, mesh)
-    drafter_graphdef, params, fixed = nnx.split(drafter, nnx.Param, ...)  # fixed: what is not trained (draft ids)
+    trained = nnx.All(nnx.Param, lambda path, _: path not in frozen)
+    drafter_graphdef, params, fixed = nnx.split(drafter, trained, ...)  # fixed: what is not trained (draft ids, backbone)
     base_graphdef, base_params = nnx.split(base)
     optimizer = make_optimizer(args)
     opt_state = jax.jit(optimizer.init)(params)  # moments placed like the parameters they follow
@@ -353,7 +363,9 @@ def run(args) -> int:
                    "token_counts_sha256": hashlib.sha256(np.asarray(counts, np.int64).tobytes()).hexdigest(),
                    **({"eval_data": str(Path(args.eval_data).resolve())} if args.eval_data else {}),
                    # A resume's checkpoint replaces the initial drafter; it may not name another one.
-                   **({"init_from_sha256": weights_sha256(args.init_from)} if args.init_from else {})})
+                   **({"init_from_sha256": weights_sha256(args.init_from)} if args.init_from else {}),
+                   # The checkpoints hold no backbone: a resume must bring the very one they were trained on.
+                   "backbone_sha256": weights_sha256(args.backbone) if args.backbone else None})
     if last.latest_step() is not None and not args.resume:
         raise CloverError(f"{work} already holds checkpoints; pass --resume to continue, or another --work-dir")
     start, restored = restore_latest(last, {"params": params, "opt_state": opt_state})
@@ -449,10 +461,10 @@ def run(args) -> int:
         ev = held_out(args.steps)
     mass = token_mass(base, counted, counted_idx, args.seq_len, args.batch_size, place)
     if jax.process_count() > 1:  # the export is written once, from every process's shards
-        params = jax.tree.map(to_host, params)
+        params, fixed = jax.tree.map(to_host, (params, fixed))
         if jax.process_index() != 0:
             return 0
-    nnx.update(drafter, params)
+    nnx.update(drafter, params, fixed)
     extra = {"training": {k: v for k, v in vars(args).items() if k != "resume"}, "final_step": args.steps,
              "held_out": ev}
     save_heads(drafter, base, args.out, extra=extra, token_counts=counts, dtype=DTYPES[args.export_dtype],
