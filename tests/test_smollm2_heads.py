@@ -22,7 +22,10 @@ from clover_jax.plan import factory
 from infer import generate
 from clover_jax.io import tokenization
 
-BUILT_IN = tuple(m for m in BUILT_IN if m != "dflash2")  # the methods with shipped heads: DFlash 2 has none yet
+# The methods with shipped heads: DFlash 2 and the corrections of a DFlash block (DSpark, Domino, DFlash +
+# Clover cell) have none yet (their 1,000-step training does not fit a CPU session beside the rest).
+UNSHIPPED = ("dflash2", "dspark", "domino", "dflash_clover")
+BUILT_IN = tuple(m for m in BUILT_IN if m not in UNSHIPPED)
 
 pytestmark = pytest.mark.optimized  # its time goes into running programs, not compiling them
 

@@ -25,6 +25,8 @@ from clover_jax.io.heads_dir import held_out_chain_tau, load_fitted_tree, load_h
 from clover_jax.io.hf import load_pretrained
 from clover_jax.drafters.vocab import DraftVocab, token_counts
 from clover_jax.drafters.heads import make_heads
+from clover_jax.drafters import registry
+from clover_jax.drafters.dflash import DFlashDrafter
 from clover_jax.drafters.registry import drafter_config
 from clover_jax.drafters.losses import targets_and_masks
 from clover_jax.drafters import BUILT_IN as METHODS
@@ -62,7 +64,7 @@ def _train(capsys, *args):
 
 
 DATA_OF = {"medusa": "plain", "clover": "plain", "clover2": "hidden", "eagle": "hidden", "eagle3": "plain", "dflash": "plain",
-           "dflash2": "plain"}
+           "dflash2": "plain", "dspark": "plain", "domino": "plain", "dflash_clover": "plain"}
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +130,8 @@ def test_training_lowers_the_loss_and_leaves_the_base_alone(method, trained, mod
     assert base_size not in (opt_sizes, head_size)
     paths = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(restored)[0]}
     base_names = (("embed_tokens",) + (() if method == "eagle3" else ("lm_head",))  # EAGLE-3 has its own
-                  + (() if method.startswith("dflash") else ("'layers'",)))  # DFlash's draft layers are its own `layers`
+                  # a DFlash block drafter's (its corrections' too) draft layers are its own `layers`
+                  + (() if issubclass(registry.get(method).drafter, DFlashDrafter) else ("'layers'",)))
     assert not any(name in p for p in paths for name in base_names)
     if method == "eagle3":  # its draft vocabulary: the 40 most frequent response tokens, saved with the heads
         counts = load_file(str(out / "token_counts.safetensors"))["counts"]
