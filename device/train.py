@@ -39,6 +39,10 @@ METHODS = ("clover2", "clover", "medusa", "eagle", "eagle3")
 BLOCK_DRAFTERS = ("dflash", "dflash2")
 BLOCK_RECIPE = ["--num-heads", "7", "--option", "draft_layers=1", "--option", "target_layer_ids=1,14,26",
                 "--lr", "6e-4"]
+# The corrections of a DFlash block (DSpark's Markov head, Domino's GRU, our Clover cell): each trains its
+# correction alone on a frozen DFlash, the lease's own when it trains one (so they wait for it), else the
+# one shipped for the model; the block drafters' recipe is the backbone's, so only the learning rate is theirs.
+CORRECTIONS = ("dspark", "domino", "dflash_clover")
 MODELS = ("smollm2", "gemma3")
 GEMMA_EVAL = 320  # Gemma 3's held-out records: ShareGPT's first, answered by the model itself
 PIECE = 15 * 2**20  # under the 16 MiB a returned file may be
@@ -52,6 +56,14 @@ def dry_records(path: Path, n: int) -> Path:
         for a, b in zip(prompts, prompts[1:]):
             f.write(json.dumps({"conversations": [{"from": "human", "value": a}, {"from": "gpt", "value": b[:200]}]}) + "\n")
     return path
+
+
+def backbone(args, work: Path) -> Path:
+    """The frozen DFlash a correction trains on: the lease's own when --methods names dflash, else the
+    drafter shipped for the model."""
+    if "dflash" in args.methods.split(","):
+        return work / "heads" / "dflash"
+    return REPO / "models" / ("reference" if args.dry else args.model) / "heads" / "dflash"
 
 
 def commands(args, work: Path) -> dict[str, list]:
@@ -94,6 +106,8 @@ def commands(args, work: Path) -> dict[str, list]:
         vocab = ["--draft-vocab", str(args.vocab)] if m == "eagle3" else ["--loss-vocab", str(args.vocab)]
         if m in BLOCK_DRAFTERS:
             vocab += BLOCK_RECIPE if not args.dry else ["--num-heads", "3"]
+        if m in CORRECTIONS:
+            vocab += ["--backbone", str(backbone(args, work)), "--lr", "6e-4"]
         train[m] = py + ["train.train", "--method", m, "--base", base, "--data", str(training_data),
                          "--eval-data", str(d / "eval"), "--counts-from", str(d / "self"), "--steps", steps,
                          "--batch-size", str(args.batch), "--seq-len", str(args.seq_len), "--warmup", "50",
@@ -129,7 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-s", type=float, default=None, help="seconds the whole lease may take (default: 450)")
     p.add_argument("--methods", default=",".join(METHODS),
                    help="methods to train (default: the five heads; dflash and dflash2 train on their own recipe, "
-                        "a block of 8 and one draft layer, when named)")
+                        "a block of 8 and one draft layer, when named; dspark, domino and dflash_clover train their "
+                        "correction alone on a frozen DFlash: this lease's when it trains dflash too, after it, "
+                        "else the model's shipped one)")
     p.add_argument("--self", dest="self_records", type=int, default=None,
                    help="ShareGPT records answered by the model itself, the committed answers (default: 1570; dry 8)")
     p.add_argument("--fixed", type=int, default=2,
@@ -188,8 +204,13 @@ def main(argv: list[str] | None = None) -> int:
         print(tail(logs / "merge.log", 5))
         return 1
     clock.say("data made: " + tail(logs / ("merge.log" if cmd["merge"] else "data-self.log"), 1))
-    jobs = [(f"train-{m}", c, env, logs / f"train-{m}.log") for m, c in cmd["train"].items()]
-    status = run_jobs(jobs, len(jobs), deadline, clock)
+    # Two waves: the corrections train on the DFlash the first wave exports, when it trains one.
+    waits = "dflash" in cmd["train"]
+    for wave in ([m for m in cmd["train"] if not (waits and m in CORRECTIONS)],
+                 [m for m in cmd["train"] if waits and m in CORRECTIONS]):
+        jobs = [(f"train-{m}", cmd["train"][m], env, logs / f"train-{m}.log") for m in wave]
+        if jobs:
+            run_jobs(jobs, len(jobs), deadline, clock)
     runs = [str(work / "runs" / m) for m in cmd["train"] if (work / "runs" / m / "metrics.jsonl").is_file()]
     if runs:
         subprocess.run([sys.executable, "-m", "train.curves", *runs, "--plot", str(work / "curves.png"),

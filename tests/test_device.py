@@ -172,3 +172,18 @@ def test_a_lease_trains_the_block_drafters_on_their_own_recipe(tmp_path):
         t = train_parser().parse_args(cmd["train"][m][3:])
         assert (t.method, t.num_heads, t.lr, t.loss_vocab) == (m, 7, 6e-4, 8192)
         assert method_options(t) == {"draft_layers": 1, "target_layer_ids": [1, 14, 26]}
+
+
+def test_a_lease_trains_the_corrections_on_a_frozen_dflash(tmp_path):
+    """dspark, domino and dflash_clover train their correction alone (--backbone): on the DFlash the same
+    lease trains when it trains one, else on the model's shipped one."""
+    from device import train as lease
+    from train.train import build_parser as train_parser
+
+    cmd = lease.commands(lease.parse_args(["--methods", "dflash,dspark,domino,dflash_clover"]), tmp_path)
+    for m in lease.CORRECTIONS:
+        t = train_parser().parse_args(cmd["train"][m][3:])
+        assert (t.method, t.backbone, t.lr) == (m, str(tmp_path / "heads" / "dflash"), 6e-4)
+    alone = lease.commands(lease.parse_args(["--methods", "dflash_clover"]), tmp_path)["train"]["dflash_clover"]
+    t = train_parser().parse_args(alone[3:])
+    assert Path(t.backbone) == lease.REPO / "models" / "smollm2" / "heads" / "dflash" and Path(t.backbone).is_dir()
