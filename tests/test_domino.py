@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from flax import nnx
 
-from clover_jax.drafters.registry import drafter_config
+from clover_jax.drafters.registry import drafter_config, make_drafter
 from clover_jax.engine.decode import Generator
 from clover_jax.errors import CloverError
 from conftest import assert_one_line
 from test_dflash import BLOCK, PROMPT, committed, our_blocks, qwen3  # noqa: F401
-from test_dspark import (greedy_is_plain, ours_of, perturbed, specforge_model, their_hidden,
-                         training_scores_what_decoding_scores, tree_nodes_score_their_paths)
+from test_dspark import (greedy_is_plain, ours_of, perturbed, sampling_keeps_the_base_distribution, specforge_model,
+                         their_hidden, training_scores_what_decoding_scores, tree_nodes_score_their_paths)
 
 torch = pytest.importorskip("torch")
 domino = pytest.importorskip("specforge.modeling.draft.domino", reason="SpecForge 0.2.0: pip install specforge==0.2.0")
@@ -70,11 +71,10 @@ def test_the_corrected_block_is_specforges(qwen3, prefix):
     assert list(np.argmax(got, -1)) == want_tokens
 
 
-def small_correction(base, prefix: int):
-    """A perturbed Domino drafter whose correction is a twentieth of the perturbation's size, so that
-    the random drafter's drafts are still accepted now and then (the full one drowns DFlash's logits)."""
-    drafter = perturbed(base, "domino", pure_draft_prefix_len=prefix, **SIZES)
-    drafter.embed_proj.out.kernel[...] = 0.05 * drafter.embed_proj.out.kernel[...]
+def small(drafter, scale: float = 0.05):
+    """`drafter` with its correction scaled by `scale`: a random one of full size drowns DFlash's logits,
+    and the drafts would hardly ever be accepted."""
+    drafter.embed_proj.out.kernel[...] = scale * drafter.embed_proj.out.kernel[...]
     return drafter
 
 
@@ -85,7 +85,8 @@ CASES = [(0, "chain:3", 1), (0, "chain:3", 4), (0, "widths:3,2,2", 4), (0, "widt
 @pytest.mark.parametrize("prefix, spec, batch", CASES)
 def test_greedy_decodes_as_plain(qwen3, prefix, spec, batch):
     base = qwen3[1]
-    greedy_is_plain(base, small_correction(base, prefix), "domino", spec, batch)
+    drafter = small(perturbed(base, "domino", pure_draft_prefix_len=prefix, **SIZES))
+    greedy_is_plain(base, drafter, "domino", spec, batch)
 
 
 @pytest.mark.parametrize("prefix", [0, 1])
@@ -98,6 +99,20 @@ def test_each_tree_node_scores_its_own_path(qwen3, prefix):
 def test_training_scores_what_decoding_scores(qwen3, prefix):
     base = qwen3[1]
     training_scores_what_decoding_scores(base, perturbed(base, "domino", pure_draft_prefix_len=prefix, **SIZES))
+
+
+@pytest.mark.parametrize("tree", ["widths:3,2,1", "dynamic:7"])
+def test_speculative_sampling_has_the_base_distribution(monkeypatch, tree):
+    """With tests/test_dflash.py's noisy DFlash as its backbone (whose drafts are accepted at every
+    depth) and a small noisy correction."""
+    import test_spec_sampling as spec
+
+    def dflash_backbone(drafter, base):
+        dflash = make_drafter(drafter_config("dflash", 3, output_multiplier=3.0), base, seed=2)
+        nnx.update(drafter, nnx.state(spec.noisy(dflash, 0.05, seed=3, replace=False), nnx.Param))
+        return small(drafter)
+
+    sampling_keeps_the_base_distribution(monkeypatch, "domino", tree, adjust=dflash_backbone, **SIZES)
 
 
 @pytest.mark.parametrize("options, message", [

@@ -241,3 +241,33 @@ def test_a_bad_option_is_one_line(options, message):
         drafter_config("dspark", 3, **options)
     assert message in str(e.value), str(e.value)
     assert_one_line(e)
+
+
+def sampling_keeps_the_base_distribution(monkeypatch, method: str, tree: str, noise_seed: int = 3, adjust=None,
+                                         **options):
+    """test_spec_sampling's chi-square check with a `method` drafter of block 4 (logits tripled, as in
+    tests/test_dflash.py), each node drafting from its own corrected distribution. `noise_seed`: a draw
+    of the drafter's noise under which drafts are accepted at every depth, as the check requires;
+    `adjust(drafter, base)`: what is done to the noisy drafter before it drafts."""
+    import test_spec_sampling as spec
+    from clover_jax.engine.sampling import SamplingConfig
+    from clover_jax.model.config import ModelConfig
+    from clover_jax.model.llama import Llama
+
+    base = spec.noisy(Llama(ModelConfig.tiny(vocab_size=spec.VOCAB), rngs=nnx.Rngs(0)), 0.35, seed=1, replace=True)
+    def noisy_heads(base, method):
+        drafter = make_drafter(drafter_config(method, 3, output_multiplier=3.0, **options), base, seed=2)
+        drafter = spec.noisy(drafter, 0.05, seed=noise_seed, replace=False)
+        return drafter if adjust is None else adjust(drafter, base)
+
+    monkeypatch.setattr(spec, "noisy_heads", noisy_heads)
+    sampling = SamplingConfig(temperature=1.0)
+    pv = spec.p_values(spec.sample_tokens(base, method, sampling, tree), spec.exact_joint(base, sampling))
+    assert min(pv.values()) > 1e-3, pv
+
+
+@pytest.mark.parametrize("kind, tree, seed", [("rnn", "widths:3,2,1", 3), ("rnn", "dynamic:7", 4),
+                                              ("vanilla", "dynamic:7", 4), ("gated", "widths:3,2,1", 3)])
+def test_speculative_sampling_has_the_base_distribution(monkeypatch, kind, tree, seed):
+    sampling_keeps_the_base_distribution(monkeypatch, "dspark", tree, noise_seed=seed, markov_rank=RANK,
+                                         markov_head_type=kind)
