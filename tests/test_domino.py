@@ -89,6 +89,11 @@ def test_greedy_decodes_as_plain(qwen3, prefix, spec, batch):
     greedy_is_plain(base, drafter, "domino", spec, batch)
 
 
+def test_a_draft_vocabulary_drafts_from_its_columns(qwen3):
+    base = qwen3[1]
+    greedy_is_plain(base, small(perturbed(base, "domino", **SIZES)), "domino", "widths:3,2,2", 4, draft_vocab=40)
+
+
 @pytest.mark.parametrize("prefix", [0, 1])
 def test_each_tree_node_scores_its_own_path(qwen3, prefix):
     base = qwen3[1]

@@ -140,10 +140,14 @@ def perturbed(base, method: str, seed: int = 3, **options):
     return drafter
 
 
-def greedy_is_plain(base, drafter, method: str, spec: str, batch: int):
+def greedy_is_plain(base, drafter, method: str, spec: str, batch: int, draft_vocab: int = 0):
+    """Greedy speculative output is plain decoding's (drafting from the first `draft_vocab` ids, 0: all)."""
+    from clover_jax.drafters.vocab import DraftVocab
+
     plain = Generator(base).generate(PROMPTS, 16, eos_ids=[]).tokens
     rows = list(range(len(PROMPTS))) if batch == 4 else [1]
-    out = SpeculativeGenerator(base, drafter, resolve_tree(spec, method, BLOCK - 1)).generate(
+    vocab = DraftVocab.most_frequent(base.lm_head_weight(), None, draft_vocab) if draft_vocab else None
+    out = SpeculativeGenerator(base, drafter, resolve_tree(spec, method, BLOCK - 1), draft_vocab=vocab).generate(
         [PROMPTS[i] for i in rows], 16, eos_ids=[])
     assert out.tokens == [plain[i][:16] for i in rows]
     if batch == 4:  # drafts were accepted, so commits kept more than one position
@@ -209,6 +213,13 @@ def test_each_tree_node_scores_its_own_path(qwen3, kind):
     base = qwen3[1]
     drafter = perturbed(base, "dspark", markov_rank=RANK, markov_head_type=kind)
     tree_nodes_score_their_paths(base, drafter, "widths:3,2,2")
+
+
+@pytest.mark.parametrize("kind", HEADS)
+def test_a_draft_vocabulary_drafts_from_its_columns(qwen3, kind):
+    base = qwen3[1]
+    drafter = perturbed(base, "dspark", markov_rank=RANK, markov_head_type=kind)
+    greedy_is_plain(base, drafter, "dspark", "widths:3,2,2", 4, draft_vocab=40)
 
 
 def training_scores_what_decoding_scores(base, drafter):
