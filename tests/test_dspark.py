@@ -282,3 +282,24 @@ def sampling_keeps_the_base_distribution(monkeypatch, method: str, tree: str, no
 def test_speculative_sampling_has_the_base_distribution(monkeypatch, kind, tree, seed):
     sampling_keeps_the_base_distribution(monkeypatch, "dspark", tree, noise_seed=seed, markov_rank=RANK,
                                          markov_head_type=kind)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, options", [("dspark", ["markov_head_type=rnn", "markov_rank=6"]),
+                                             ("domino", ["emb_dim=8", "gru_hidden_dim=6"])])
+def test_frozen_training_keeps_the_dflash_backbone(model_dir, datasets, tmp_path, method, options):
+    """train.train --backbone DIR (a trained dflash drafter) trains the correction and keeps DIR's
+    weights exactly."""
+    from safetensors.numpy import load_file
+    from test_dflash_clover import run_train
+
+    assert run_train(model_dir, datasets["plain"], tmp_path / "dflash", "dflash", "--num-heads", 2,
+                     "--option", "target_layer_ids=0,1") == 0
+    backbone = tmp_path / "dflash" / "out"
+    flags = [a for option in options for a in ("--option", option)]
+    assert run_train(model_dir, datasets["plain"], tmp_path / method, method, "--backbone", backbone, *flags) == 0
+    theirs = load_file(str(backbone / "heads.safetensors"))
+    ours = load_file(str(tmp_path / method / "out" / "heads.safetensors"))
+    assert set(theirs) < set(ours)
+    for name in theirs:
+        np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)

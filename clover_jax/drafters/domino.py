@@ -93,6 +93,8 @@ class EmbedProj(nnx.Module):
 class DominoDrafter(DFlashDrafter):
     """DFlash with Domino's GRU correction (`prefix_gru`, `embed_proj`; the module docstring)."""
 
+    backbone = "dflash"  # its frozen part, for train.train --backbone: the parameters a dflash drafter has
+
     def __init__(self, hcfg: DominoConfig, base: Llama, *, rngs: nnx.Rngs):
         super().__init__(hcfg, base, rngs=rngs)
         d, dtype = base.cfg.hidden_size, base.dtype

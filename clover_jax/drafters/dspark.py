@@ -101,6 +101,8 @@ class MarkovHead(nnx.Module):
 class DSparkDrafter(DFlashDrafter):
     """DFlash with a Markov head (`markov_head`, the module docstring)."""
 
+    backbone = "dflash"  # its frozen part, for train.train --backbone: the parameters a dflash drafter has
+
     def __init__(self, hcfg: DSparkConfig, base: Llama, *, rngs: nnx.Rngs):
         super().__init__(hcfg, base, rngs=rngs)
         self.markov_head = MarkovHead(hcfg.markov_head_type, base.cfg.vocab_size, base.cfg.hidden_size,
