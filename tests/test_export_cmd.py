@@ -108,7 +108,7 @@ def test_export_command_writes_what_train_wrote(trained, model_dir, tmp_path, ca
 
 def test_every_flag_of_the_export_command_is_explained():
     actions = [a for a in export.build_parser()._actions if a.option_strings != ["-h", "--help"]]
-    assert {s for a in actions for s in a.option_strings} == {"--heads", "--format", "--out", "--base", "--verifier",
+    assert {s for a in actions for s in a.option_strings} == {"--drafter", "--heads", "--format", "--out", "--base", "--verifier",
                                                                  "--dtype"}
     assert all(a.help and len(a.help) > 20 for a in actions)
 

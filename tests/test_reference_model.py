@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from clover_jax.drafters import BUILT_IN
+from clover_jax.drafters import BUILT_IN, registry
+from clover_jax.drafters.dflash import DFlashDrafter
 from clover_jax.io.heads_dir import load_heads
 from clover_jax.io import sources
 from clover_jax.io.hf import load_pretrained
@@ -22,7 +23,9 @@ from clover_jax.trees.spec import resolve_tree
 from infer import generate
 from train import corpus, losses, train
 
-BUILT_IN = tuple(m for m in BUILT_IN if not m.startswith("dflash"))  # the methods the reference model ships heads for (its block drafters: none)
+# The methods the reference model ships heads for: the heads and draft models, not the block drafters
+# (DFlash, DFlash 2) nor their corrections (DSpark, Domino, DFlash + Clover cell).
+BUILT_IN = tuple(m for m in BUILT_IN if not issubclass(registry.get(m).drafter, DFlashDrafter))
 
 REF = sources.shipped_root() / "reference"
 CARD_LOSS = re.compile(r"prompt-set loss \(first (\d+) prompts, float32\): ([\d.]+) nats/token")
