@@ -13,12 +13,12 @@ import pytest
 from flax import nnx
 
 from clover_jax.drafters.registry import drafter_config, make_drafter
-from clover_jax.engine.decode import Generator
 from clover_jax.errors import CloverError
 from conftest import assert_one_line
-from test_dflash import BLOCK, PROMPT, committed, our_blocks, qwen3  # noqa: F401
+from test_dflash import BLOCK, PROMPT, qwen3  # noqa: F401
 from test_dspark import (greedy_is_plain, ours_of, perturbed, sampling_keeps_the_base_distribution, specforge_model,
-                         their_hidden, training_scores_what_decoding_scores, tree_nodes_score_their_paths)
+                         the_blocks_are_theirs, their_hidden, training_scores_what_decoding_scores,
+                         tree_nodes_score_their_paths)
 
 torch = pytest.importorskip("torch")
 domino = pytest.importorskip("specforge.modeling.draft.domino", reason="SpecForge 0.2.0: pip install specforge==0.2.0")
@@ -46,29 +46,11 @@ def test_the_corrected_block_is_specforges(qwen3, prefix):
     model = specforge_model(base, domino.DominoDraftModel, seed=prefix, pure_draft_prefix_len=prefix, **SIZES)
     assert model.suffix_start == 1 + prefix
     drafter = ours_of(model, base, "domino", RENAMES, pure_draft_prefix_len=prefix, **SIZES)
-    cache = DynamicCache()
-    plain = Generator(base).generate([PROMPT], 8, eos_ids=[]).tokens[0]
-    root = plain[0]
-    want_tokens, want = their_chain(model, hf, their_hidden(model, hf, PROMPT, 0, root, cache), root)
-    state = committed(base, drafter, PROMPT, PROMPT[1:] + [root])
-    got, state = our_blocks(drafter, base, state, root, len(PROMPT))
-    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
-    assert list(np.argmax(got, -1)) == want_tokens
+    got, root = the_blocks_are_theirs(model, hf, base, drafter, their_chain)
     with torch.no_grad():  # the positions it corrects differ from DFlash's logits; the others do not
         dflash = hf.lm_head(their_hidden(model, hf, PROMPT, 0, root, DynamicCache()))[0, 1:].numpy()
     corrected = [not np.allclose(g, d, atol=1e-3) for g, d in zip(got, dflash)]
     assert corrected == [k + 1 >= 1 + prefix for k in range(BLOCK - 1)]
-
-    verified = PROMPT + [root] + want_tokens  # the step verified the root and its 3 drafts; 2 of them stay
-    bonus = plain[1] if want_tokens[0] != plain[1] else (plain[1] + 1) % base.cfg.vocab_size
-    kept = PROMPT + [root, want_tokens[0]]
-    want_tokens, want = their_chain(model, hf, their_hidden(model, hf, kept, len(PROMPT), bonus, cache), bonus)
-    following = verified[1:] + [0]
-    following[len(kept) - 1] = bonus
-    state = committed(base, drafter, verified, following, start=len(PROMPT), state=state, count=2)
-    got, _ = our_blocks(drafter, base, state, bonus, len(kept))
-    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
-    assert list(np.argmax(got, -1)) == want_tokens
 
 
 def small(drafter, scale: float = 0.05):

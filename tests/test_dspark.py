@@ -101,22 +101,20 @@ def their_chain(model, hf, hidden, root):
     return tokens[0].tolist(), logits[0].numpy()
 
 
-@pytest.mark.parametrize("kind", HEADS)
-def test_the_corrected_block_is_specforges(qwen3, kind):
+def the_blocks_are_theirs(model, hf, base, drafter, their_chain):
+    """Our drafted blocks against theirs (`their_chain(model, hf, hidden, root)`: their greedy block and
+    its corrected logits): the first after the prompt, then the one after a verification that kept 2 of
+    its 4 slots. Returns (our first block's logits [b - 1, V], its root)."""
     from transformers import DynamicCache
 
-    hf, base = qwen3
-    model = specforge_model(base, dspark.DSparkDraftModel, seed=len(kind), markov_rank=RANK, markov_head_type=kind)
-    drafter = ours_of(model, base, "dspark", {"markov_head.markov_w1.weight": "markov_head.markov_w1"},
-                      markov_rank=RANK, markov_head_type=kind)
     cache = DynamicCache()
     plain = Generator(base).generate([PROMPT], 8, eos_ids=[]).tokens[0]
     root = plain[0]
     want_tokens, want = their_chain(model, hf, their_hidden(model, hf, PROMPT, 0, root, cache), root)
     state = committed(base, drafter, PROMPT, PROMPT[1:] + [root])
-    got, state = our_blocks(drafter, base, state, root, len(PROMPT))
-    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
-    assert list(np.argmax(got, -1)) == want_tokens
+    first, state = our_blocks(drafter, base, state, root, len(PROMPT))
+    np.testing.assert_allclose(first, want, atol=1e-4, rtol=1e-4)
+    assert list(np.argmax(first, -1)) == want_tokens
 
     verified = PROMPT + [root] + want_tokens  # the step verified the root and its 3 drafts; 2 of them stay
     bonus = plain[1] if want_tokens[0] != plain[1] else (plain[1] + 1) % base.cfg.vocab_size
@@ -128,6 +126,16 @@ def test_the_corrected_block_is_specforges(qwen3, kind):
     got, _ = our_blocks(drafter, base, state, bonus, len(kept))
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
     assert list(np.argmax(got, -1)) == want_tokens
+    return first, root
+
+
+@pytest.mark.parametrize("kind", HEADS)
+def test_the_corrected_block_is_specforges(qwen3, kind):
+    hf, base = qwen3
+    model = specforge_model(base, dspark.DSparkDraftModel, seed=len(kind), markov_rank=RANK, markov_head_type=kind)
+    drafter = ours_of(model, base, "dspark", {"markov_head.markov_w1.weight": "markov_head.markov_w1"},
+                      markov_rank=RANK, markov_head_type=kind)
+    the_blocks_are_theirs(model, hf, base, drafter, their_chain)
 
 
 def perturbed(base, method: str, seed: int = 3, **options):
