@@ -76,13 +76,21 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'clover_jax' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value  # found once; later look-ups do not come here
-    return value
+def _lazy(module: str, exports: dict[str, str], namespace: dict):
+    """A public namespace's module `__getattr__` and `__dir__`: each name of `exports` imported from its
+    module on first use and kept in `namespace` (the namespace module's globals), so later look-ups do
+    not come here."""
+    def getattr_(name: str):
+        if name not in exports:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(exports[name]), name)
+        namespace[name] = value
+        return value
+
+    def dir_() -> list[str]:
+        return sorted(set(namespace) | set(exports))
+
+    return getattr_, dir_
 
 
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = _lazy(__name__, _EXPORTS, globals())

@@ -31,7 +31,7 @@ public modules (`io.sources`, `io.tokenization`); tests/test_front_door.py lists
 The names are imported on first use, as `clover_jax`'s are, so importing this module imports no JAX.
 """
 
-import importlib
+from clover_jax import _lazy
 
 _EXPORTS = {
     "registry": "clover_jax.drafters",
@@ -66,15 +66,4 @@ _EXPORTS = {
 }
 
 __all__ = list(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'clover_jax.training' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value  # found once; later look-ups do not come here
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = _lazy(__name__, _EXPORTS, globals())
