@@ -39,7 +39,10 @@ from transformers import (
 from clover_jax.io.hf import load_pretrained
 from clover_jax.engine.decode import Generator
 from clover_jax.engine.drafting import draft_tree
+from clover_jax.drafters import BUILT_IN
+from clover_jax.drafters.dflash import DFlashDrafter
 from clover_jax.drafters.heads import Heads, HeadsState
+from clover_jax.drafters import registry
 from clover_jax.drafters.registry import drafter_config
 from clover_jax.engine.sampling import SamplingConfig
 from train import make_data
@@ -62,6 +65,10 @@ jax.config.update("jax_disable_most_optimizations", True)
 # operation, and with the other test worker holding the other core they wait long (transformers'
 # SmolLM2 writing 32 tokens beside a busy core: 35.6 s on two threads, 2.7 s on one).
 torch.set_num_threads(1)
+
+# The methods the reference model ships heads for: the heads and draft models, not the block drafters
+# (DFlash, DFlash 2) nor their corrections (DSpark, Domino, DFlash + Clover cell).
+REFERENCE_SHIPS = tuple(m for m in BUILT_IN if not issubclass(registry.get(m).drafter, DFlashDrafter))
 
 VOCAB = 64
 EOS, BOS, PAD = 2, 1, 0

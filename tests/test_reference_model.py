@@ -11,8 +11,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from clover_jax.drafters import BUILT_IN, registry
-from clover_jax.drafters.dflash import DFlashDrafter
 from clover_jax.io.heads_dir import load_heads
 from clover_jax.io import sources
 from clover_jax.io.hf import load_pretrained
@@ -23,9 +21,7 @@ from clover_jax.trees.spec import resolve_tree
 from infer import generate
 from train import corpus, losses, train
 
-# The methods the reference model ships heads for: the heads and draft models, not the block drafters
-# (DFlash, DFlash 2) nor their corrections (DSpark, Domino, DFlash + Clover cell).
-BUILT_IN = tuple(m for m in BUILT_IN if not issubclass(registry.get(m).drafter, DFlashDrafter))
+from conftest import REFERENCE_SHIPS as BUILT_IN  # the methods the reference model ships heads for
 
 REF = sources.shipped_root() / "reference"
 CARD_LOSS = re.compile(r"prompt-set loss \(first (\d+) prompts, float32\): ([\d.]+) nats/token")

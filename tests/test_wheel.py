@@ -18,11 +18,10 @@ from pathlib import Path
 import pytest
 
 from clover_jax._cli import extras as cli_extras
-from clover_jax.drafters import BUILT_IN
 from clover_jax.io import sources
 from infer import generate
 
-BUILT_IN = tuple(m for m in BUILT_IN if not m.startswith("dflash"))  # the methods the reference model ships heads for (its block drafters: none)
+from conftest import REFERENCE_SHIPS as BUILT_IN  # the methods the reference model ships heads for
 
 REPO = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
