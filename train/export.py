@@ -27,7 +27,9 @@ from clover_jax.io import formats, sources
 from clover_jax.training import CONFIG, Drafter, load_heads, read_heads_config, registry
 
 FORMATS_HELP = ("sglang (SpecForge / SGLang EAGLE-3: LlamaForCausalLMEagle3), speculators (vLLM's speculators "
-                "EAGLE-3), medusa (Medusa-1's medusa_lm_head.safetensors) or eagle1 (the EAGLE authors' EAGLE-1)")
+                "EAGLE-3), medusa (Medusa-1's medusa_lm_head.safetensors), eagle1 (the EAGLE authors' EAGLE-1), "
+                "dflash or dflash2 (the DFlash authors' DFlashDraftModel, DFlash2DraftModel), dspark or domino "
+                "(SpecForge's DSparkDraftModel, DominoDraftModel)")
 
 
 def parse_formats(values: list[str] | None, method: str) -> list[str]:

@@ -23,9 +23,9 @@ from types import ModuleType
 from clover_jax.errors import CloverError
 
 # Module names under clover_jax.io.formats, in the order recognition tries them: the DFlash authors'
-# DFlash and DFlash 2 drafters (first: a one-layer one holds fc.weight as EAGLE-1's does), vLLM's
-# speculators EAGLE-3, SpecForge/SGLang's and the EAGLE authors' EAGLE-3, Medusa-1 heads, EAGLE-1.
-FORMATS = ("dflash", "dflash2", "speculators_eagle3", "sglang_eagle3", "medusa1", "eagle1")
+# DFlash and DFlash 2 drafters and SpecForge's DSpark and Domino (first: a one-layer one holds fc.weight
+# as EAGLE-1's does), vLLM's speculators EAGLE-3, SpecForge/SGLang's and the EAGLE authors' EAGLE-3, Medusa-1 heads, EAGLE-1.
+FORMATS = ("dflash", "dflash2", "specforge_dspark", "specforge_domino", "speculators_eagle3", "sglang_eagle3", "medusa1", "eagle1")
 
 
 def module(name: str) -> ModuleType:
