@@ -3,25 +3,13 @@ format (`formats.dflash`) with the convolutions' and the candidate selector's ke
 
 from __future__ import annotations
 
-from pathlib import Path
+from functools import partial
 
 from clover_jax.io.formats.dflash import export_as, load_as, matches_variant
-from clover_jax.model.llama import Llama
 
 NAME = "dflash2"
 METHOD = "dflash2"
 
-
-def matches(folder: Path) -> bool:
-    """A config.json naming architectures ["DFlash2DraftModel"]."""
-    return matches_variant(folder, METHOD)
-
-
-def load(folder: Path, base: Llama):
-    """The DFlash 2 drafter in `folder`, as our DFlash 2 drafter for `base`."""
-    return load_as(folder, base, METHOD)
-
-
-def export(drafter, base: Llama, out: Path) -> Path:
-    """Write our DFlash 2 drafter as the authors' package publishes one."""
-    return export_as(drafter, base, out, METHOD, NAME)
+matches = partial(matches_variant, method=METHOD)  # a config.json naming architectures ["DFlash2DraftModel"]
+load = partial(load_as, method=METHOD)  # (folder, base) -> our DFlash 2 drafter
+export = partial(export_as, method=METHOD, name=NAME)  # (drafter, base, out): written as the authors publish one

@@ -4,25 +4,13 @@ tensors."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from functools import partial
 
 from clover_jax.io.formats.dflash import export_as, load_as, matches_variant
-from clover_jax.model.llama import Llama
 
 NAME = "dspark"
 METHOD = "dspark"
 
-
-def matches(folder: Path) -> bool:
-    """A config.json naming architectures ["DSparkDraftModel"]."""
-    return matches_variant(folder, METHOD)
-
-
-def load(folder: Path, base: Llama):
-    """The DSpark drafter in `folder`, as our DSpark drafter for `base`."""
-    return load_as(folder, base, METHOD)
-
-
-def export(drafter, base: Llama, out: Path) -> Path:
-    """Write our DSpark drafter as SpecForge's save_pretrained does, which `DSparkDraftModel.from_pretrained` loads."""
-    return export_as(drafter, base, out, METHOD, NAME)
+matches = partial(matches_variant, method=METHOD)  # a config.json naming architectures ["DSparkDraftModel"]
+load = partial(load_as, method=METHOD)  # (folder, base) -> our DSpark drafter
+export = partial(export_as, method=METHOD, name=NAME)  # (drafter, base, out): written as SpecForge's save_pretrained writes one
