@@ -172,13 +172,15 @@ def test_greedy_decodes_as_plain_and_the_cache_holds_committed_context_only(qwen
 
 def test_training_scores_what_decoding_scores(qwen3):
     """train_forward's entry [k, 0, t], on the candidates decoding scores after committing tokens 0..t
-    (the chain of the data's tokens from root t + 1), equals decoding's scores there."""
+    (the chain of the data's tokens from root t + 1), equals decoding's scores there; `drafted_logits`
+    keeps those candidates only, so evaluation ranks what decoding drafts."""
     base = qwen3[1]
     drafter = perturbed_drafter(base)
     seq = PROMPTS[1] + [11, 12, 40, 3]
     tokens = jnp.asarray([seq], jnp.int32)
     out, _ = prefill(base, tokens, jnp.asarray([len(seq)]), len(seq), feature_layers=drafter.feature_layers)
-    _, logits = drafter.train_forward(base, tokens, out.hidden, out.hidden_normed, out.features)
+    hidden, logits = drafter.train_forward(base, tokens, out.hidden, out.hidden_normed, out.features)
+    drafted = np.asarray(drafter.drafted_logits(base, hidden, logits))  # what evaluation ranks and replays
     for t in (0, 3, len(seq) - 5):
         state = committed(base, drafter, seq[: t + 1], seq[1 : t + 2])
         carry = None
@@ -190,6 +192,8 @@ def test_training_scores_what_decoding_scores(qwen3):
             got = np.asarray(got)[0, 0]
             finite = got > NO_LOGIT / 2
             np.testing.assert_allclose(np.asarray(logits[k, 0, t])[finite], got[finite], atol=1e-4, rtol=1e-4)
+            np.testing.assert_array_equal(drafted[k, 0, t] > NO_LOGIT / 2, finite)  # the same candidates
+            np.testing.assert_allclose(drafted[k, 0, t], got, atol=1e-4, rtol=1e-4)
 
 
 def test_exports_load_back_into_the_authors_model_and_ours(qwen3, written, tmp_path):

@@ -129,6 +129,7 @@ def head_loss(drafter: Drafter, base: Llama, batch: dict, with_ranks: bool = Fal
     loss, per_head, _, _ = method_loss(head_hidden, head_logits, normed, base_logits, jnp.maximum(labels, 0),
                                        label_mask, hidden)
     targets, masks = targets_and_masks(labels, mask, head_logits.shape[0])
+    head_logits = drafter.drafted_logits(base, head_hidden, head_logits, vocab)  # the metrics score decoding's drafts
     metrics = {"loss": loss, "head_loss": per_head,
                "top1": losses.topk_accuracy(head_logits, targets, masks, 1),
                "top5": losses.topk_accuracy(head_logits, targets, masks, 5)}

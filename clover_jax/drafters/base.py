@@ -133,6 +133,12 @@ class Drafter:
         K = steps depths (None: all `depth`), since the loss weights no other."""
         raise NotImplementedError
 
+    def drafted_logits(self, base, hidden, logits, vocab=None):
+        """What decoding would draft from at `train_forward`'s entries (its hidden and logits): the logits
+        themselves, unless decoding scores fewer tokens than training does. Evaluation's accuracies, ranks
+        and sampled acceptance read these, so what it replays is what decoding drafts."""
+        return logits
+
     def loss_vocab(self, base, vocab):
         """The vocabulary training scores this drafter over (a `draft_vocab.DraftVocab`, or None for the
         whole one): the one the run asked for, unless the drafter has one of its own."""

@@ -152,6 +152,13 @@ class DFlash2Drafter(DFlashDrafter):
         succ = jnp.take(sel.successor_codebook[...], ids, axis=0)  # [V or N, R]
         return unary + product("kbtr,vr->kbtv", pred, succ.astype(pred.dtype)).astype(jnp.float32)
 
+    def drafted_logits(self, base: Llama, hidden, logits, vocab: DraftVocab | None = None):
+        """Training's selector scores kept on the top `selector_top_k` tokens of each position's own
+        logits, NO_LOGIT elsewhere, as `level_logits` keeps them (a tie at the k-th logit keeps both)."""
+        unary = self.scores(base, hidden, vocab)
+        kth = jax.lax.top_k(unary, min(self.candidate_selector.top_k, unary.shape[-1]))[0][..., -1:]
+        return jnp.where(unary >= kth, logits, NO_LOGIT)
+
 
 register(Method("dflash2", DFlash2Drafter, DFlash2Config, depth=15, tree="medusa_mc_sim_7b_63", loss=dflash_loss,
                 title="DFlash 2"))
