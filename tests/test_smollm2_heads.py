@@ -22,9 +22,9 @@ from clover_jax.plan import factory
 from infer import generate
 from clover_jax.io import tokenization
 
-# The methods with shipped heads: DFlash 2 and the corrections of a DFlash block (DSpark, Domino, DFlash +
-# Clover cell) have none yet (their 1,000-step training does not fit a CPU session beside the rest).
-UNSHIPPED = ("dflash2", "dspark", "domino", "dflash_clover")
+# The methods with shipped heads: the corrections of a DFlash block (DSpark, Domino, DFlash + Clover cell)
+# have none yet (their 1,000-step training does not fit a CPU session beside the rest).
+UNSHIPPED = ("dspark", "domino", "dflash_clover")
 BUILT_IN = tuple(m for m in BUILT_IN if m not in UNSHIPPED)
 
 pytestmark = pytest.mark.optimized  # its time goes into running programs, not compiling them
@@ -91,7 +91,9 @@ def test_shipped_heads_are_smollm2s_and_fit_their_budget(smollm2):
         meta = read_heads_config(SHIPPED / method)
         assert meta["base_fingerprint"] == base_fingerprint(model) and meta["heads"]["method"] == method
     size = sum(f.stat().st_size for f in SHIPPED.rglob("*") if f.is_file())
-    assert size < (45 + 30) * 2**20  # Medusa, Clover and Clover-2 under 45 MB; EAGLE-1, EAGLE-3 and DFlash 30 MB more
+    # Medusa, Clover and Clover-2 under 45 MiB; EAGLE-1, EAGLE-3 and DFlash 30 MiB more; DFlash 2 25 MiB more
+    # (its candidate selector's two codebooks, 49,152 x 64 each, are 12.6 MB of its 22.4)
+    assert size < (45 + 30 + 25) * 2**20
 
 
 def test_shipped_heads_sample_from_the_tokens_holding_the_probability_mass(smollm2):
